@@ -1,0 +1,233 @@
+"""``geotrain <command>``: one entry point; each command is a thin call into its module.
+
+    geotrain local --peers 3 --task cv --epochs 5        # a whole swarm on this machine
+    geotrain coordinator --host 0.0.0.0 --port 31337     # the bootstrap peer on a durable VM
+    geotrain peer --initial-peers /ip4/.../p2p/Qm...     # a trainer on any VM
+    geotrain plan --profile resnet50 --budget-usd-per-hour 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from geotrain.config import ConfigError, GeotrainConfig, load_config
+
+EXIT_OK = 0
+EXIT_UNEXPECTED = 1
+EXIT_BAD_INPUT = 2
+EXIT_SWARM_JOIN_FAILED = 3
+
+# flag -> (config key, argparse options). Every flag is optional and only overrides when given.
+SWARM_FLAGS = {
+    "--run-id": ("swarm.run_id", {}),
+    "--initial-peers": ("swarm.initial_peers", {"action": "append", "metavar": "MULTIADDR",
+                                                "help": "address of a peer in the swarm (repeatable)"}),
+    "--host": ("swarm.host", {"help": "address to listen on (0.0.0.0 on a cloud VM)"}),
+    "--port": ("swarm.port", {"type": int, "help": "TCP port to listen on (0: any free port)"}),
+    "--announce-host": ("swarm.announce_host", {"help": "public address that other peers dial"}),
+    "--announce-port": ("swarm.announce_port", {"type": int}),
+    "--identity": ("swarm.identity_path", {"metavar": "PATH", "help": "private key file; a stable peer id"}),
+    "--client-mode": ("swarm.client_mode", {"action": "store_const", "const": True,
+                                            "help": "dial out only (no open port)"}),
+    "--bootstrap-timeout": ("swarm.bootstrap_timeout_s", {"type": float, "metavar": "SECONDS"}),
+    "--metrics-port": ("metrics.port", {"type": int, "help": "serve Prometheus metrics on this port"}),
+    "--metrics-host": ("metrics.host", {}),
+}
+TRAINING_FLAGS = {
+    "--task": ("task.name", {"help": "cv, nlp or asr"}),
+    "--preset": ("task.preset", {"help": "model size preset, e.g. tiny, resnet50, roberta-base"}),
+    "--data-source": ("task.data.source", {"help": "synthetic, folder or webdataset"}),
+    "--data-path": ("task.data.path", {"help": "folder, file, glob or fsspec URL of the data"}),
+    "--tokenizer": ("task.data.tokenizer_path", {"metavar": "PATH"}),
+    "--seed": ("task.seed", {"type": int, "help": "seed of the initial weights (equal on all peers)"}),
+    "--network-profile": ("optimizer.network_profile",
+                          {"help": "loopback, lan, continent or intercontinental (sets timeouts and compression)"}),
+    "--target-batch-size": ("optimizer.target_batch_size", {"type": int}),
+    "--batch-size": ("optimizer.batch_size_per_step", {"type": int, "help": "samples per micro-step"}),
+    "--optimizer": ("optimizer.optimizer", {}),
+    "--lr": ("optimizer.learning_rate", {"type": float}),
+    "--grad-compression": ("optimizer.grad_compression", {"help": "none, fp16 or uniform8bit"}),
+    "--delayed-parameter-updates": ("optimizer.delayed_parameter_updates",
+                                    {"action": argparse.BooleanOptionalAction}),
+    "--local-updates": ("optimizer.use_local_updates", {"action": argparse.BooleanOptionalAction}),
+    "--matchmaking-time": ("optimizer.matchmaking_time_s", {"type": float, "metavar": "SECONDS"}),
+    "--averaging-timeout": ("optimizer.averaging_timeout_s", {"type": float, "metavar": "SECONDS"}),
+}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, table: dict) -> None:
+    for flag, (key, options) in table.items():
+        parser.add_argument(flag, dest=key, default=None, **options)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, metavar="YAML", help="config file (flags override it)")
+    parser.add_argument("--set", dest="set_args", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any config key, e.g. --set optimizer.learning_rate=0.01")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def config_from_args(args: argparse.Namespace, tables: list[dict], extra: dict | None = None,
+                     defaults: dict | None = None) -> GeotrainConfig:
+    overrides = {key: getattr(args, key) for table in tables for key, _ in table.values()}
+    overrides.update(extra or {})
+    return load_config(args.config, overrides=overrides, set_args=args.set_args, defaults=defaults)
+
+
+def setup_logging(level: str, role: str) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format=f"%(asctime)s {role} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
+    if level != "DEBUG":
+        # hivemind logs every matchmaking attempt; operators want our one line per state change.
+        # hivemind reads its level from the environment when it is first imported.
+        os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
+        os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="geotrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    peer = commands.add_parser("peer", help="train as one peer of a swarm")
+    _add_common(peer)
+    _add_config_flags(peer, SWARM_FLAGS)
+    _add_config_flags(peer, TRAINING_FLAGS)
+    peer.add_argument("--max-epochs", dest="training.max_epochs", type=int, default=None)
+    peer.add_argument("--data-seed", dest="training.data_seed", type=int, default=None,
+                      help="seed of this peer's data order (default: from its peer id)")
+    peer.add_argument("--events", type=Path, metavar="JSONL", help="write one JSON line per state change here")
+    peer.add_argument("--wait-for-peers", type=int, default=1, metavar="N",
+                      help="before the first step, wait until N trainers (this one included) are in the swarm")
+    peer.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+    coordinator = commands.add_parser("coordinator", help="run the swarm's bootstrap peer")
+    _add_common(coordinator)
+    _add_config_flags(coordinator, SWARM_FLAGS)
+    coordinator.add_argument("--state-dir", type=Path, default=None,
+                             help="where the identity (and later checkpoints) are kept (default: geotrain-state)")
+    coordinator.add_argument("--initial-peers-file", type=Path, default=None,
+                             help="also write the join addresses to this file")
+
+    local = commands.add_parser("local", help="run a coordinator and N trainers on this machine")
+    _add_common(local)
+    _add_config_flags(local, TRAINING_FLAGS)
+    local.add_argument("--peers", type=int, default=2, help="number of trainer peers (default 2)")
+    local.add_argument("--epochs", type=int, default=5, help="global epochs to train (default 5)")
+    local.add_argument("--json", type=Path, metavar="PATH", help="write the run summary as JSON here")
+    local.add_argument("--run-dir", type=Path, default=None, help="logs and events (default: runs/local-TIME)")
+    local.add_argument("--metrics-base-port", type=int, default=None,
+                       help="serve peer i's metrics on this port + i (default: no metrics)")
+
+    try:
+        from geotrain.planner.command import (add_plan_arguments, add_profile_arguments, run_plan,
+                                              run_profile)
+    except ImportError:  # the planner is optional at this layer: the swarm commands do not need it
+        pass
+    else:
+        plan = commands.add_parser("plan", help="which VMs to rent where, for the lowest cost per sample")
+        add_plan_arguments(plan)
+        plan.set_defaults(handler=run_plan)
+        profile = commands.add_parser("profile", help="add a measured model profile for the planner")
+        add_profile_arguments(profile)
+        profile.set_defaults(handler=run_profile)
+    return parser
+
+
+def run_peer(args: argparse.Namespace) -> int:
+    config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS],
+                              {"training.max_epochs": getattr(args, "training.max_epochs"),
+                               "training.data_seed": getattr(args, "training.data_seed")})
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from geotrain.events import EventLog
+    from geotrain.lifecycle import StopSignals
+    from geotrain.trainer import Trainer
+
+    signals = StopSignals().install()
+    events = EventLog(args.events)
+    try:
+        Trainer(config, events, wait_for_peers=args.wait_for_peers).run(signals.stop)
+    finally:
+        events.close()
+    return EXIT_OK
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    from geotrain.coordinator import DEFAULT_PORT, DEFAULT_STATE_DIR, Coordinator
+    from geotrain.lifecycle import StopSignals
+
+    port = DEFAULT_PORT if getattr(args, "swarm.port") is None else None
+    config = config_from_args(args, [SWARM_FLAGS], {"swarm.port": port})
+    signals = StopSignals().install()
+    Coordinator(config, args.state_dir or DEFAULT_STATE_DIR, args.initial_peers_file).run(signals.stop)
+    return EXIT_OK
+
+
+def run_local(args: argparse.Namespace) -> int:
+    from geotrain.local import LocalSwarm
+
+    config = config_from_args(args, [TRAINING_FLAGS], defaults={"optimizer.network_profile": "loopback"})
+    if args.peers < 1:
+        raise ConfigError("--peers: expected at least 1 trainer")
+    if args.epochs < 1:
+        raise ConfigError("--epochs: expected at least 1 epoch")
+    swarm = LocalSwarm(config, peers=args.peers, epochs=args.epochs, run_dir=args.run_dir,
+                       metrics_base_port=args.metrics_base_port)
+    return swarm.run(json_path=args.json)
+
+
+HANDLERS = {"peer": run_peer, "coordinator": run_coordinator, "local": run_local}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None) or HANDLERS[args.command]
+    if hasattr(args, "log_level"):
+        setup_logging(args.log_level, args.command)
+    code = _run_handler(handler, args)
+    if args.command in ("peer", "coordinator"):
+        # hivemind's objects can crash the interpreter's teardown after their processes are gone;
+        # everything worth keeping is flushed, so leave without running it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run_handler(handler, args: argparse.Namespace) -> int:
+    from geotrain.metrics import MetricsPortError
+    from geotrain.swarm import SwarmJoinError
+
+    try:
+        return handler(args)
+    except ConfigError as error:
+        print(f"geotrain {args.command}: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (SwarmJoinError, MetricsPortError) as error:
+        print(f"geotrain {args.command}: {error}", file=sys.stderr)
+        return EXIT_SWARM_JOIN_FAILED
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except Exception as error:
+        data_module = sys.modules.get("geotrain.tasks.data")  # loaded only by commands that read data
+        if data_module is not None and isinstance(error, data_module.DataSourceError):
+            print(f"geotrain {args.command}: {error}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        logging.getLogger("geotrain").exception("geotrain %s failed unexpectedly", args.command)
+        return EXIT_UNEXPECTED
+    finally:
+        # whatever happened above, no hivemind child or p2pd may outlive this command
+        from geotrain.processes import kill_descendants
+
+        kill_descendants(grace_s=2.0)

@@ -1,0 +1,301 @@
+"""The one configuration tree of geotrain, and the one place where its defaults live.
+
+A config is YAML with up to five sections (every key is optional)::
+
+    swarm:      {run_id: mnist-demo, initial_peers: [/ip4/203.0.113.7/tcp/31337/p2p/Qm...]}
+    optimizer:  {network_profile: intercontinental, target_batch_size: 8192, batch_size_per_step: 64}
+    task:       {name: cv, preset: resnet50, data: {source: webdataset, path: "s3://bucket/shards-{000..099}.tar"}}
+    metrics:    {port: 9100}
+    training:   {max_epochs: 100}
+
+Command-line flags override it (``--target-batch-size 4096``), and so does the generic
+``--set optimizer.learning_rate=0.01``. Anything a user can get wrong fails with a
+:class:`ConfigError` that names the key and says what was expected.
+
+Network profiles set the timing and traffic knobs of the optimizer together; an explicit
+value in the config wins over the profile. See :data:`NETWORK_PROFILES` for the values and why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+TaskName = Literal["cv", "nlp", "asr"]
+NetworkProfileName = Literal["loopback", "lan", "continent", "intercontinental"]
+GradCompression = Literal["none", "fp16", "uniform8bit"]
+OptimizerName = Literal["sgd", "adam", "adamw", "lamb"]
+
+
+class ConfigError(ValueError):
+    """A config a user wrote is wrong; the message says which key and what was expected."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# Why these values:
+# - loopback: every peer on one machine (`geotrain local`, tests). Messages take microseconds, so a
+#   group forms within a second and a round that has not finished in 10 s never will; on a shared
+#   CPU a stuck round would otherwise stall the run for a whole minute.
+# - lan: peers in one zone see ~0.5 ms RTT and multi-Gbit/s links [EMJ24 Table 3], so a group forms
+#   in a few seconds and an all-reduce of a few hundred MB finishes quickly; compute and communication
+#   are not overlapped because there is little communication to hide.
+# - continent: regions of one continent are tens of ms apart; DHT look-ups take several round trips,
+#   so matchmaking gets more time, and averaging of a large model over ~1 Gbit/s needs a longer timeout.
+# - intercontinental: 100-270 ms RTT and 70-210 Mbit/s per TCP stream [EMJ24 Table 3]. A ResNet-50 round
+#   (25.6M params, fp16 -> ~51 MB, each peer sending ~2*M/N to the others) takes tens of seconds, so the
+#   timeout is long and delayed parameter updates overlap that time with the next epoch's compute, as
+#   the [EMJ24] runs did.
+# progress_refresh_s is how often a peer that sees no others looks again for their progress records;
+# on a LAN a look-up is cheap, across oceans each one costs several round trips.
+# fp16 gradient compression halves the traffic at no measurable loss of accuracy [EMJ24 used it
+# in every run]; it is the default everywhere.
+NETWORK_PROFILES: dict[str, dict[str, Any]] = {
+    "loopback": {
+        "matchmaking_time_s": 1.0,
+        "averaging_timeout_s": 10.0,
+        "progress_refresh_s": 0.5,
+        "grad_compression": "fp16",
+        "delayed_parameter_updates": False,
+    },
+    "lan": {
+        "matchmaking_time_s": 3.0,
+        "averaging_timeout_s": 60.0,
+        "progress_refresh_s": 0.5,
+        "grad_compression": "fp16",
+        "delayed_parameter_updates": False,
+    },
+    "continent": {
+        "matchmaking_time_s": 10.0,
+        "averaging_timeout_s": 180.0,
+        "progress_refresh_s": 1.0,
+        "grad_compression": "fp16",
+        "delayed_parameter_updates": False,
+    },
+    "intercontinental": {
+        "matchmaking_time_s": 20.0,
+        "averaging_timeout_s": 600.0,
+        "progress_refresh_s": 3.0,
+        "grad_compression": "fp16",
+        "delayed_parameter_updates": True,
+    },
+}
+
+
+class SwarmConfig(_Strict):
+    """How this peer joins the DHT."""
+
+    run_id: str = Field("geotrain", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+                        description="Name of the training run; peers with the same run_id train one model.")
+    initial_peers: list[str] = Field(default_factory=list,
+                                     description="Multiaddrs of peers already in the swarm, e.g. the coordinator's.")
+    host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 on a cloud VM.")
+    port: int = Field(0, ge=0, le=65535, description="TCP port to listen on; 0 picks a free one.")
+    announce_host: str | None = Field(None, description="Public address others dial (behind 1:1 NAT).")
+    announce_port: int | None = Field(None, ge=1, le=65535, description="Public port, when it differs from port.")
+    identity_path: Path | None = Field(None, description="Private key file; keeps the peer id across restarts.")
+    client_mode: bool = Field(False, description="Dial out only (behind NAT without open ports).")
+    bootstrap_timeout_s: float = Field(30.0, gt=0, description="How long to wait for an initial peer to answer.")
+
+    @model_validator(mode="after")
+    def _check_initial_peers(self) -> "SwarmConfig":
+        for address in self.initial_peers:
+            if not address.startswith("/") or "/p2p/" not in address:
+                raise ValueError(
+                    f"swarm.initial_peers: {address!r} is not a full multiaddr; expected the form "
+                    "/ip4/HOST/tcp/PORT/p2p/PEER_ID, exactly as `geotrain coordinator` prints it")
+        return self
+
+    def host_maddrs(self) -> list[str]:
+        return [f"/ip4/{self.host}/tcp/{self.port}"]
+
+    def announce_maddrs(self) -> list[str] | None:
+        if self.announce_host is None:
+            return None
+        return [f"/ip4/{self.announce_host}/tcp/{self.announce_port or self.port}"]
+
+
+class OptimizerConfig(_Strict):
+    """The shared-batch optimizer (hivemind.Optimizer) and its timing across the network."""
+
+    network_profile: NetworkProfileName = "lan"
+    target_batch_size: int = Field(4096, gt=0, description="Samples the whole swarm accumulates per epoch.")
+    batch_size_per_step: int = Field(32, gt=0, description="Samples one peer processes per micro-step.")
+    optimizer: OptimizerName = "adamw"
+    learning_rate: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_compression: GradCompression
+    delayed_parameter_updates: bool
+    use_local_updates: bool = Field(False, description="Step locally each micro-step; average parameters instead.")
+    matchmaking_time_s: float = Field(gt=0)
+    averaging_timeout_s: float = Field(gt=0)
+    progress_refresh_s: float = Field(gt=0, description="How often to look for the swarm's progress when alone.")
+    load_state_timeout_s: float = Field(120.0, gt=0)
+    average_state_every: int = Field(1, ge=1, description="Average parameters and optimizer state every N epochs.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_network_profile(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        profile = data.get("network_profile", "lan")
+        if profile not in NETWORK_PROFILES:
+            return data  # the field validator reports it, naming the choices
+        return {**NETWORK_PROFILES[profile], **data}
+
+    @model_validator(mode="after")
+    def _check_batch_sizes(self) -> "OptimizerConfig":
+        if self.target_batch_size < self.batch_size_per_step:
+            raise ValueError(
+                f"optimizer.target_batch_size ({self.target_batch_size}) is below optimizer.batch_size_per_step "
+                f"({self.batch_size_per_step}); expected target_batch_size >= batch_size_per_step")
+        return self
+
+
+class DataConfig(_Strict):
+    """Where a task's samples come from."""
+
+    source: Literal["synthetic", "folder", "webdataset"] = "synthetic"
+    path: str | None = Field(None, description="Local folder/file/glob, or an fsspec URL for webdataset shards.")
+    tokenizer_path: str | None = Field(None, description="NLP only: a tokenizer.json; default is built in.")
+
+    @model_validator(mode="after")
+    def _check_path(self) -> "DataConfig":
+        if self.source != "synthetic" and not self.path:
+            raise ValueError(f"task.data.path: required when task.data.source is {self.source!r}")
+        return self
+
+
+class TaskConfig(_Strict):
+    name: TaskName = "cv"
+    preset: str = "tiny"
+    data: DataConfig = Field(default_factory=DataConfig)
+    seed: int = Field(0, ge=0, description="Seed of the model's initial weights; equal on every peer.")
+
+    @model_validator(mode="after")
+    def _check_preset(self) -> "TaskConfig":
+        from geotrain.tasks.presets import PRESET_NAMES
+
+        known = PRESET_NAMES[self.name]
+        if self.preset not in known:
+            raise ValueError(f"task.preset: unknown preset {self.preset!r} for task {self.name!r}; "
+                             f"expected one of {', '.join(known)}")
+        return self
+
+
+class MetricsConfig(_Strict):
+    port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint port; none disables it.")
+    host: str = Field("127.0.0.1", description="Address of the metrics endpoint; loopback unless told otherwise.")
+
+
+class TrainingConfig(_Strict):
+    max_epochs: int | None = Field(None, ge=1, description="Stop after this many global epochs; none runs on.")
+    data_seed: int | None = Field(None, ge=0, description="Seed of this peer's data order; default from its id.")
+    final_agreement_timeout_s: float = Field(
+        60.0, gt=0, description="At max_epochs, how long trainers try to agree on one final state.")
+
+
+class GeotrainConfig(_Strict):
+    swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _describe_error(error: dict[str, Any]) -> str:
+    key = ".".join(str(part) for part in error["loc"]) or "config"
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown key"
+    message = error["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+        if message.split(":", 1)[0].count(".") and " " not in message.split(":", 1)[0]:
+            return message  # already names its key
+    if "input" in error and error["type"] not in ("missing",) and not isinstance(error["input"], dict):
+        return f"{key}: {message[0].lower() + message[1:]}, got {error['input']!r}"
+    return f"{key}: {message[0].lower() + message[1:]}"
+
+
+def validate_config(data: dict[str, Any], origin: str = "config") -> GeotrainConfig:
+    """Build the config tree, turning pydantic's errors into one message per wrong key."""
+    try:
+        return GeotrainConfig.model_validate(data)
+    except ValidationError as error:
+        lines = [_describe_error(e) for e in error.errors()]
+        raise ConfigError(f"{origin} is not valid:\n  " + "\n  ".join(lines)) from None
+
+
+def _set_dotted(data: dict[str, Any], dotted_key: str, value: Any) -> None:
+    parts = dotted_key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted_key}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``optimizer.learning_rate=0.01`` -> ("optimizer.learning_rate", 0.01), the value read as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. optimizer.learning_rate=0.01")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config {path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(f"config {path} is not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: expected a mapping of sections (swarm, optimizer, task, ...), "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def _has_dotted(data: dict[str, Any], dotted_key: str) -> bool:
+    node: Any = data
+    for part in dotted_key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None,
+                set_args: list[str] | None = None, defaults: dict[str, Any] | None = None) -> GeotrainConfig:
+    """Command defaults, then a YAML file (optional), then ``--set KEY=VALUE``, then explicit flags."""
+    data: dict[str, Any] = read_yaml(path) if path else {}
+    for key, value in (defaults or {}).items():
+        if not _has_dotted(data, key):
+            _set_dotted(data, key, value)
+    for text in set_args or []:
+        _set_dotted(data, *parse_override(text))
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(data, key, value)
+    return validate_config(data, origin=str(path) if path else "config")

@@ -1,0 +1,109 @@
+"""End-of-run agreement: every trainer that finishes a run holds the very same parameters.
+
+hivemind's all-reduce gives each peer the average as *its own tensor plus the (compressed)
+difference to the average*, so after each round the peers agree to within rounding, not bit for
+bit. A user who takes the model from any peer at the end expects one model. So when a run reaches
+``max_epochs``, the trainers at the final epoch agree on one of them, the *finalizer* (the lowest
+peer id among the non-client peers at the highest epoch), and every other trainer downloads its
+exact state (parameters and optimizer statistics, uncompressed). That costs one state transfer per
+peer, once per run. Trainers stop sharing their own state first, so a download can only come from
+the finalizer. Every step is bounded by ``timeout_s``; a peer that can not agree in time keeps its
+own parameters and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5
+
+
+def final_key(run_id: str) -> str:
+    return f"{run_id}_final"
+
+
+def _final_records(dht, run_id: str) -> dict[str, dict]:
+    record = dht.get(final_key(run_id), latest=True)
+    if record is None or not isinstance(record.value, dict):
+        return {}
+    records = {}
+    for subkey, entry in record.value.items():
+        if isinstance(entry.value, dict) and isinstance(entry.value.get("sha256"), str):
+            records[str(subkey)] = entry.value
+    return records
+
+
+def _store(dht, run_id: str, peer_id: str, value: dict, timeout_s: float) -> None:
+    from hivemind.utils import get_dht_time
+
+    dht.store(final_key(run_id), subkey=peer_id, value=value, expiration_time=get_dht_time() + 2 * timeout_s)
+
+
+def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_mode: bool,
+                         timeout_s: float) -> tuple[str, bool]:
+    """Make this peer's parameters equal the finalizer's. Returns (parameters sha256, agreed)."""
+    from geotrain.swarm import read_progress
+    from geotrain.trainer import parameters_sha256
+
+    peer_id = str(dht.peer_id)
+    optimizer.state_averager.step(wait_for_delayed_updates=True)
+
+    # Peers still in the last round are about to finish too: wait for them (at most timeout_s), so that
+    # everyone picks the same finalizer. A peer that is later still is left to finish on its own.
+    laggards_deadline = time.monotonic() + timeout_s
+    while True:
+        progress = read_progress(dht, run_id)
+        behind = [pid for pid, p in progress.items() if p.epoch < epoch]
+        if not behind or time.monotonic() > laggards_deadline:
+            break
+        time.sleep(POLL_S)
+    deadline = time.monotonic() + timeout_s
+    peers = {pid: p for pid, p in progress.items() if p.epoch >= epoch}
+    top_epoch = max([p.epoch for p in peers.values()] + [epoch])
+    donors = sorted(pid for pid, p in peers.items() if p.epoch == top_epoch and not p.client_mode)
+    if not client_mode and epoch == top_epoch and peer_id not in donors:
+        donors = sorted(donors + [peer_id])
+    if not donors:
+        logger.warning("no peer can share the final state; keeping this peer's own parameters")
+        return parameters_sha256(model), False
+    finalizer = donors[0]
+
+    if finalizer == peer_id:
+        sha256 = parameters_sha256(model)
+        _store(dht, run_id, peer_id, {"role": "finalizer", "sha256": sha256, "epoch": epoch}, timeout_s)
+        others = set(peers) - {peer_id}
+        logger.info("final state %s is this peer's; waiting for %d peers to take it", sha256[:16], len(others))
+        while time.monotonic() < deadline:
+            records = _final_records(dht, run_id)
+            synced = {pid for pid, r in records.items() if r.get("role") == "synced" and r["sha256"] == sha256}
+            if others <= synced:
+                return sha256, True
+            time.sleep(POLL_S)
+        logger.warning("%d peers did not take the final state within %.0f s", len(others - synced), timeout_s)
+        return sha256, False
+
+    for averager in (optimizer.state_averager, getattr(optimizer, "grad_averager", None)):
+        if averager is not None and not client_mode:
+            averager.allow_state_sharing = False  # downloads must come from the finalizer alone
+    while time.monotonic() < deadline:
+        target = _final_records(dht, run_id).get(finalizer)
+        if target is None:
+            time.sleep(POLL_S)
+            continue
+        try:
+            remaining_s = max(1.0, deadline - time.monotonic())
+            optimizer.state_averager.load_state_from_peers(timeout=remaining_s)
+        except Exception as error:  # the finalizer may be busy or gone; retry until the deadline
+            logger.info("final state download failed (%s); retrying", error)
+        sha256 = parameters_sha256(model)
+        if sha256 == target["sha256"]:
+            _store(dht, run_id, peer_id, {"role": "synced", "sha256": sha256, "epoch": epoch}, timeout_s)
+            logger.info("took the final state %s from %s", sha256[:16], finalizer)
+            return sha256, True
+        time.sleep(POLL_S)
+    logger.warning("could not take the final state from %s within %.0f s; keeping own parameters",
+                   finalizer, timeout_s)
+    return parameters_sha256(model), False

@@ -1,0 +1,283 @@
+"""The embedded default: a whole swarm on this machine, one command.
+
+    geotrain local --peers 3 --task cv --epochs 5 --json summary.json
+
+starts a coordinator and N trainer peers as separate OS processes on loopback (exactly the
+commands a user runs on real VMs), shows live progress, stops everything at the end or on Ctrl-C,
+prints a summary table and writes it as JSON. Each process logs to ``RUN_DIR/<name>.log``; the
+trainers' event files (``RUN_DIR/peer-<i>.jsonl``) feed the progress display and the summary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from geotrain.config import GeotrainConfig
+from geotrain.events import read_events
+from geotrain.trainer import write_resolved_config
+
+COORDINATOR_START_TIMEOUT_S = 90.0
+STOP_GRACE_S = 30.0
+POLL_INTERVAL_S = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if this process dies, so a killed `geotrain local` leaves no swarm behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class PeerProcess:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    events_path: Path | None = None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class LocalSwarmError(RuntimeError):
+    pass
+
+
+class LocalSwarm:
+    def __init__(self, config: GeotrainConfig, peers: int, epochs: int, run_dir: Path | None = None,
+                 metrics_base_port: int | None = None):
+        self.config = config.model_copy(deep=True)
+        self.config.training.max_epochs = epochs
+        self.peers = peers
+        self.epochs = epochs
+        self.run_dir = run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")
+        self.metrics_base_port = metrics_base_port
+        self.processes: list[PeerProcess] = []
+
+    # --- processes -------------------------------------------------------------------------
+    def _spawn(self, name: str, arguments: list[str], events_path: Path | None = None,
+               threads: int | None = None) -> PeerProcess:
+        log_path = self.run_dir / f"{name}.log"
+        environment = dict(os.environ)
+        if threads:
+            environment["OMP_NUM_THREADS"] = str(threads)
+        with open(log_path, "w") as log:
+            process = subprocess.Popen([sys.executable, "-m", "geotrain", *arguments], stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
+                                       start_new_session=True, preexec_fn=_die_with_parent)
+        peer = PeerProcess(name, process, log_path, events_path)
+        self.processes.append(peer)
+        return peer
+
+    def _start_coordinator(self, config_path: Path) -> list[str]:
+        peers_file = self.run_dir / "initial_peers.txt"
+        coordinator = self._spawn("coordinator", [
+            "coordinator", "--config", str(config_path), "--port", "0",
+            "--state-dir", str(self.run_dir / "coordinator"), "--initial-peers-file", str(peers_file)])
+        deadline = time.monotonic() + COORDINATOR_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if peers_file.exists():
+                return peers_file.read_text().split()
+            if coordinator.process.poll() is not None:
+                raise LocalSwarmError(f"the coordinator exited (code {coordinator.process.returncode}):\n"
+                                      f"{coordinator.log_tail()}")
+            time.sleep(0.2)
+        raise LocalSwarmError(f"the coordinator did not come up within {COORDINATOR_START_TIMEOUT_S:.0f} s:\n"
+                              f"{coordinator.log_tail()}")
+
+    def _start_trainers(self, config_path: Path, initial_peers: list[str]) -> list[PeerProcess]:
+        threads = max(1, (os.cpu_count() or 1) // self.peers)
+        trainers = []
+        for index in range(self.peers):
+            events_path = self.run_dir / f"peer-{index}.jsonl"
+            arguments = ["peer", "--config", str(config_path), "--events", str(events_path),
+                         "--data-seed", str(index + 1), "--wait-for-peers", str(self.peers),
+                         "--threads", str(threads)]
+            for address in initial_peers:
+                arguments += ["--initial-peers", address]
+            if self.metrics_base_port is not None:
+                arguments += ["--metrics-port", str(self.metrics_base_port + index)]
+            trainers.append(self._spawn(f"peer-{index}", arguments, events_path, threads))
+        return trainers
+
+    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM trainers first (they say goodbye), then the coordinator; SIGKILL after ``grace_s``."""
+        trainers = [p for p in self.processes if p.name != "coordinator"]
+        coordinators = [p for p in self.processes if p.name == "coordinator"]
+        for group in (trainers, coordinators):
+            for peer in group:
+                if peer.process.poll() is None:
+                    peer.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for peer in group:
+                try:
+                    peer.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(peer.process.pid, signal.SIGKILL)
+                    peer.process.wait()
+
+    # --- the run ---------------------------------------------------------------------------
+    def run(self, json_path: Path | None = None) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = write_resolved_config(self.config, self.run_dir)
+        print(f"geotrain local: {self.peers} trainers, task {self.config.task.name}/{self.config.task.preset}, "
+              f"{self.epochs} epochs of {self.config.optimizer.target_batch_size} samples; logs in {self.run_dir}",
+              flush=True)
+        interrupted = False
+        try:
+            initial_peers = self._start_coordinator(config_path)
+            trainers = self._start_trainers(config_path, initial_peers)
+            self._follow(trainers)
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\nstopping the local swarm ...", flush=True)
+        finally:
+            self.stop_all()
+        trainers = [p for p in self.processes if p.name != "coordinator"]
+        summary = summarize(self.config, trainers, self.run_dir)
+        print(format_summary(summary), flush=True)
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(summary, indent=2) + "\n")
+            print(f"summary written to {json_path}", flush=True)
+        failed = [p for p in trainers if p.process.returncode not in (0, None)]
+        for peer in failed:
+            print(f"{peer.name} exited with code {peer.process.returncode}; last lines of {peer.log_path}:\n"
+                  f"{peer.log_tail()}", file=sys.stderr)
+        if interrupted:
+            return 130
+        return 1 if failed or summary["epochs_completed"] < self.epochs else 0
+
+    def _follow(self, trainers: list[PeerProcess]) -> None:
+        """Live progress until every trainer has exited."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=self.epochs, unit="epoch", desc="swarm", dynamic_ncols=True, file=sys.stdout,
+                   disable=None)
+        shown_epoch = 0
+        try:
+            while any(p.process.poll() is None for p in trainers):
+                time.sleep(POLL_INTERVAL_S)
+                progress = live_progress([read_events(p.events_path) for p in trainers])
+                if progress["epoch"] > shown_epoch:
+                    bar.update(progress["epoch"] - shown_epoch)
+                    shown_epoch = progress["epoch"]
+                    if bar.disable:  # not a terminal: one line per epoch instead of a bar
+                        print(f"epoch {shown_epoch}/{self.epochs}: {progress['samples_per_second']:.1f} samples/s, "
+                              f"loss {progress['loss']:.4f}", flush=True)
+                bar.set_postfix(samples_per_s=f"{progress['samples_per_second']:.1f}",
+                                loss=f"{progress['loss']:.4f}", refresh=False)
+                bar.refresh()
+        finally:
+            bar.close()
+
+
+def live_progress(peer_events: list[list[dict]]) -> dict:
+    """Global epoch, swarm samples/s (sum of each peer's last epoch) and mean loss, from event files."""
+    latest = [next((e for e in reversed(events) if e["event"] == "epoch"), None) for events in peer_events]
+    latest = [e for e in latest if e is not None]
+    if not latest:
+        return {"epoch": 0, "samples_per_second": 0.0, "loss": math.nan}
+    return {"epoch": max(e["epoch"] for e in latest),
+            "samples_per_second": sum(e["samples_per_second"] for e in latest),
+            "loss": sum(e["loss"] for e in latest) / len(latest)}
+
+
+def _weighted_loss(epochs: list[dict]) -> float:
+    samples = sum(e["samples"] for e in epochs)
+    return sum(e["loss"] * e["samples"] for e in epochs) / samples if samples else math.nan
+
+
+def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path) -> dict:
+    """The run's summary (also the JSON that ``--json`` writes and ``geotrain profile`` reads)."""
+    peers, epoch_events, starts, ends = [], [], [], []
+    parameters = None
+    for trainer in trainers:
+        events = read_events(trainer.events_path)
+        finished = next((e for e in events if e["event"] == "finished"), None)
+        # training time ends at the last epoch, before the end-of-run agreement
+        trained_until = epochs[-1]["time"] if (epochs := [e for e in events if e["event"] == "epoch"]) else None
+        joined = next((e for e in events if e["event"] == "joined"), None)
+        training = next((e for e in events if e["event"] == "training"), None)
+        epoch_events.append(epochs)
+        parameters = parameters or (joined or {}).get("parameters")
+        if training and trained_until:
+            starts.append(training["time"])
+            ends.append(trained_until)
+        wall_s = (trained_until - training["time"]) if training and trained_until else None
+        peers.append({
+            "name": trainer.name,
+            "peer_id": (joined or {}).get("peer_id"),
+            "exit_code": trainer.process.returncode,
+            "epoch": (finished or {}).get("epoch", max((e["epoch"] for e in epochs), default=0)),
+            "samples": (finished or {}).get("samples", sum(e["samples"] for e in epochs)),
+            "samples_per_second": (sum(e["samples"] for e in epochs) / wall_s) if wall_s else None,
+            "params_sha256": (finished or {}).get("params_sha256"),
+            "compute_s": (finished or {}).get("compute_s", sum(e["compute_s"] for e in epochs)),
+            "comm_s": (finished or {}).get("comm_s", sum(e["comm_s"] for e in epochs)),
+            "state_loads": sum(1 for e in events if e["event"] == "state_loaded"),
+        })
+    samples_total = sum(p["samples"] for p in peers)
+    wall_s = (max(ends) - min(starts)) if starts else 0.0
+    compute_s = sum(p["compute_s"] for p in peers)
+    comm_s = sum(p["comm_s"] for p in peers)
+    first = [epochs[0] for epochs in epoch_events if epochs]
+    last_epoch = max((e["epoch"] for epochs in epoch_events for e in epochs), default=0)
+    last = [e for epochs in epoch_events for e in epochs if e["epoch"] == last_epoch]
+    hashes = {p["params_sha256"] for p in peers}
+    return {
+        "task": config.task.name,
+        "preset": config.task.preset,
+        "parameters": parameters,
+        "device": "cpu",
+        "grad_compression": config.optimizer.grad_compression,
+        "network_profile": config.optimizer.network_profile,
+        "target_batch_size": config.optimizer.target_batch_size,
+        "batch_size_per_step": config.optimizer.batch_size_per_step,
+        "epochs_requested": config.training.max_epochs,
+        "epochs_completed": min((p["epoch"] for p in peers), default=0),
+        "samples_total": samples_total,
+        "wall_s": wall_s,
+        "swarm_samples_per_second": samples_total / wall_s if wall_s > 0 else 0.0,
+        "loss_first": _weighted_loss(first),
+        "loss_last": _weighted_loss(last),
+        "granularity": compute_s / comm_s if comm_s > 0 else None,
+        "params_identical": len(hashes) == 1 and None not in hashes,
+        "run_dir": str(run_dir),
+        "peers": peers,
+    }
+
+
+def format_summary(summary: dict) -> str:
+    header = f"{'peer':<8} {'peer id':<54} {'epoch':>5} {'samples':>8} {'samples/s':>9} {'compute s':>9} " \
+             f"{'comm s':>7}  params sha256"
+    lines = [header, "-" * len(header)]
+    for peer in summary["peers"]:
+        rate = peer["samples_per_second"]
+        lines.append(f"{peer['name']:<8} {peer['peer_id'] or '?':<54} {peer['epoch']:>5} {peer['samples']:>8} "
+                     f"{(f'{rate:.1f}' if rate else '-'):>9} {peer['compute_s']:>9.1f} {peer['comm_s']:>7.1f}  "
+                     f"{(peer['params_sha256'] or '-')[:16]}")
+    granularity = summary["granularity"]
+    lines.append("")
+    lines.append(
+        f"swarm: {summary['epochs_completed']} epochs of {summary['target_batch_size']} samples, "
+        f"{summary['samples_total']} samples in {summary['wall_s']:.1f} s = "
+        f"{summary['swarm_samples_per_second']:.1f} samples/s; loss {summary['loss_first']:.4f} -> "
+        f"{summary['loss_last']:.4f}; granularity {granularity:.2f}" if granularity is not None else
+        f"swarm: {summary['epochs_completed']} epochs, {summary['samples_total']} samples")
+    lines.append("parameters identical on every peer: " + ("yes" if summary["params_identical"] else "NO"))
+    return "\n".join(lines)

@@ -1,0 +1,298 @@
+"""The trainer peer: joins the swarm and trains the task with hivemind's large shared batches.
+
+Run it on every VM that should train::
+
+    geotrain peer --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/QmCoordinator... --task cv --preset resnet50
+
+Each micro-step computes the gradients of ``batch_size_per_step`` samples; ``hivemind.Optimizer``
+accumulates them until the whole swarm has processed ``target_batch_size`` samples, then the peers
+average their gradients and step together: one *epoch*. Per epoch the trainer measures the time
+spent computing (forward and backward) and the time spent communicating (inside the optimizer:
+matchmaking, all-reduce, waiting for peers, loading state); their ratio is the *granularity*.
+
+Exit codes: 0 when ``--max-epochs`` was reached or a stop was requested (SIGINT/SIGTERM);
+2 for a bad config; 3 when the swarm could not be joined (port in use, no initial peer answered);
+1 for anything unexpected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from threading import Event
+
+import torch
+
+from geotrain.config import GeotrainConfig
+from geotrain.events import EventLog
+from geotrain.metrics import PeerMetrics
+
+logger = logging.getLogger(__name__)
+
+PEER_WAIT_POLL_S = 0.5
+
+
+def parameters_sha256(model: torch.nn.Module) -> str:
+    """Hash of every parameter's bytes in a fixed order: equal across peers iff their weights are equal."""
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(parameter.detach().to("cpu").contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def build_torch_optimizer_factory(config: GeotrainConfig):
+    opt = config.optimizer
+    if opt.optimizer == "sgd":
+        return partial(torch.optim.SGD, lr=opt.learning_rate, momentum=0.9, weight_decay=opt.weight_decay)
+    if opt.optimizer == "adam":
+        return partial(torch.optim.Adam, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+    if opt.optimizer == "adamw":
+        return partial(torch.optim.AdamW, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+    from timm.optim import Lamb  # large-batch optimiser; only imported when asked for
+
+    return partial(Lamb, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+
+
+def build_compression(name: str):
+    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+
+    return {"none": NoCompression, "fp16": Float16Compression, "uniform8bit": Uniform8BitQuantization}[name]()
+
+
+def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module):
+    """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped)."""
+    import hivemind
+
+    opt = config.optimizer
+    delayed = opt.delayed_parameter_updates
+    return hivemind.Optimizer(
+        dht=dht,
+        run_id=config.swarm.run_id,
+        target_batch_size=opt.target_batch_size,
+        batch_size_per_step=opt.batch_size_per_step,
+        optimizer=build_torch_optimizer_factory(config),
+        params=model.parameters(),
+        matchmaking_time=opt.matchmaking_time_s,
+        averaging_timeout=opt.averaging_timeout_s,
+        load_state_timeout=opt.load_state_timeout_s,
+        # hivemind inverts a non-None client_mode into dht.client_mode; passing the same value keeps both equal
+        client_mode=config.swarm.client_mode,
+        delay_optimizer_step=delayed,
+        delay_grad_averaging=delayed,
+        use_local_updates=opt.use_local_updates,
+        average_state_every=opt.average_state_every,
+        grad_compression=build_compression(opt.grad_compression),
+        # a peer must notice soon that the swarm reached the target batch, or it runs on alone; the
+        # bound on the refresh period keeps that lag small next to an epoch
+        tracker_opts={"default_refresh_period": opt.progress_refresh_s,
+                      "min_refresh_period": min(0.5, opt.progress_refresh_s),
+                      "max_refresh_period": max(2.0, 4 * opt.progress_refresh_s)},
+        state_averaging_compression=build_compression(opt.grad_compression),
+        verbose=False,
+    )
+
+
+@dataclass
+class EpochTotals:
+    """What one peer did during one epoch (or, summed, during the whole run)."""
+
+    samples: int = 0
+    loss_sum: float = 0.0
+    steps: int = 0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    data_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.steps if self.steps else math.nan
+
+    @property
+    def granularity(self) -> float:
+        return self.compute_s / self.comm_s if self.comm_s > 0 else math.inf
+
+    def add(self, other: "EpochTotals") -> None:
+        self.samples += other.samples
+        self.loss_sum += other.loss_sum
+        self.steps += other.steps
+        self.compute_s += other.compute_s
+        self.comm_s += other.comm_s
+        self.data_s += other.data_s
+
+
+@dataclass
+class TrainerResult:
+    peer_id: str
+    epoch: int
+    totals: EpochTotals
+    params_sha256: str
+    stopped_by_request: bool
+
+
+class Trainer:
+    """One trainer peer. ``run`` returns when max_epochs is reached or ``stop`` is set."""
+
+    def __init__(self, config: GeotrainConfig, events: EventLog | None = None, wait_for_peers: int = 1,
+                 wait_for_peers_timeout_s: float = 60.0):
+        self.config = config
+        self.events = events or EventLog(None)
+        self.wait_for_peers = wait_for_peers
+        self.wait_for_peers_timeout_s = wait_for_peers_timeout_s
+        self.metrics = PeerMetrics(config.swarm.run_id, role="trainer")
+
+    def run(self, stop: Event, on_dht_started=None) -> TrainerResult:
+        from geotrain.swarm import announce_trainer, announced_trainers, start_dht, visible_addresses
+        from geotrain.tasks import build_task
+
+        config = self.config
+        task = build_task(config.task)
+        model = task.build_model()
+        metrics_port = self.metrics.serve(config.metrics)
+        dht = start_dht(config.swarm)
+        if on_dht_started is not None:
+            on_dht_started(dht)
+        peer_id = str(dht.peer_id)
+        logger.info("joined swarm %r as %s (listening on %s)", config.swarm.run_id, peer_id,
+                    ", ".join(visible_addresses(dht)) or "client mode")
+        parameters = sum(p.numel() for p in model.parameters())
+        self.events.write("joined", peer_id=peer_id, metrics_port=metrics_port, parameters=parameters)
+
+        optimizer = build_hivemind_optimizer(config, dht, model)
+        agreed = False
+        try:
+            # Trainers that start together first wait to see each other, or each would run its first epochs
+            # alone. hivemind publishes a peer's progress only after its first step, so trainers first
+            # announce themselves under a key of their own, then meet again after one step (see _train).
+            announce_trainer(dht, config.swarm.run_id, peer_id)
+            if self.wait_for_peers > 1:
+                logger.info("waiting for %d trainers to join", self.wait_for_peers)
+            self._wait_for_peers(dht, stop, announced_trainers, "joined")
+            self._load_state_if_behind(optimizer, peer_id)
+            totals = self._train(task, model, optimizer, stop, peer_id, dht)
+            if not stop.is_set() and config.training.max_epochs is not None:
+                from geotrain.finalize import agree_on_final_state
+
+                _, agreed = agree_on_final_state(dht, optimizer, model, config.swarm.run_id, optimizer.local_epoch,
+                                                 config.swarm.client_mode, config.training.final_agreement_timeout_s)
+        finally:
+            optimizer.shutdown()
+            dht.shutdown()
+        params_sha256 = parameters_sha256(model)
+        result = TrainerResult(peer_id, optimizer.local_epoch, totals, params_sha256, stop.is_set())
+        self.events.write("finished", peer_id=peer_id, epoch=result.epoch, samples=totals.samples,
+                          compute_s=totals.compute_s, comm_s=totals.comm_s, params_sha256=params_sha256,
+                          final_state_agreed=agreed, stopped_by_request=result.stopped_by_request)
+        logger.info("left the swarm at epoch %d after %d samples (parameters sha256 %s)",
+                    result.epoch, totals.samples, params_sha256[:16])
+        return result
+
+    def _wait_for_peers(self, dht, stop: Event, key_reader, what: str) -> None:
+        """Block until ``key_reader(dht, run_id)`` lists ``wait_for_peers`` trainers, or the timeout."""
+        if self.wait_for_peers <= 1:
+            return
+        run_id = self.config.swarm.run_id
+        deadline = time.monotonic() + self.wait_for_peers_timeout_s
+        seen = 0
+        while not stop.is_set() and time.monotonic() < deadline:
+            seen = len(key_reader(dht, run_id))
+            if seen >= self.wait_for_peers:
+                return
+            time.sleep(PEER_WAIT_POLL_S)
+        if not stop.is_set():
+            logger.warning("only %d of %d trainers %s within %.0f s; training anyway", seen,
+                           self.wait_for_peers, what, self.wait_for_peers_timeout_s)
+
+    def _load_state_if_behind(self, optimizer, peer_id: str) -> None:
+        """A peer that joins late downloads parameters and optimizer state before its first step."""
+        optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=self.config.optimizer.matchmaking_time_s)
+        if optimizer.tracker.global_epoch <= optimizer.local_epoch:
+            return
+        started = time.perf_counter()
+        logger.info("swarm is at epoch %d; loading its state from peers", optimizer.tracker.global_epoch)
+        optimizer.load_state_from_peers()
+        elapsed_s = time.perf_counter() - started
+        self.metrics.state_loads.inc()
+        self.events.write("state_loaded", peer_id=peer_id, epoch=optimizer.local_epoch, seconds=elapsed_s)
+        logger.info("loaded state of epoch %d in %.1f s", optimizer.local_epoch, elapsed_s)
+
+    def _train(self, task, model, optimizer, stop: Event, peer_id: str, dht) -> EpochTotals:
+        from geotrain.swarm import read_progress
+
+        config = self.config
+        max_epochs = config.training.max_epochs
+        batch_size = config.optimizer.batch_size_per_step
+        data_seed = config.training.data_seed
+        if data_seed is None:
+            data_seed = int(hashlib.sha256(peer_id.encode()).hexdigest()[:8], 16)
+        batches = task.build_data(batch_size, data_seed)
+        model.train()
+
+        run_totals = EpochTotals()
+        epoch = optimizer.local_epoch
+        epoch_totals = EpochTotals()
+        self.events.write("training", peer_id=peer_id, epoch=epoch)
+        while not stop.is_set() and (max_epochs is None or epoch < max_epochs):
+            data_started = time.perf_counter()
+            batch = next(batches)
+            compute_started = time.perf_counter()
+            loss = task.loss(model, batch)
+            loss.backward()
+            comm_started = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad()
+            finished = time.perf_counter()
+
+            epoch_totals.samples += batch_size
+            epoch_totals.loss_sum += float(loss.detach())
+            epoch_totals.steps += 1
+            epoch_totals.data_s += compute_started - data_started
+            epoch_totals.compute_s += comm_started - compute_started
+            epoch_totals.comm_s += finished - comm_started
+            self.metrics.samples.inc(batch_size)
+            if epoch_totals.steps == 1 and run_totals.steps == 0:
+                self._wait_for_peers(dht, stop, read_progress, "reported progress")
+
+            if optimizer.local_epoch != epoch:
+                self._finish_epoch(optimizer, epoch_totals, peer_id)
+                run_totals.add(epoch_totals)
+                epoch = optimizer.local_epoch
+                epoch_totals = EpochTotals()
+        run_totals.add(epoch_totals)
+        return run_totals
+
+    def _finish_epoch(self, optimizer, totals: EpochTotals, peer_id: str) -> None:
+        wall_s = time.perf_counter() - totals.started
+        samples_per_second = totals.samples / wall_s if wall_s > 0 else 0.0
+        peers = optimizer.tracker.global_progress.num_peers
+        epoch = optimizer.local_epoch
+        logger.info("epoch %d: %.1f samples/s, loss %.4f, %d peers, granularity %.2f "
+                    "(compute %.1f s, communication %.1f s)", epoch, samples_per_second, totals.loss, peers,
+                    totals.granularity, totals.compute_s, totals.comm_s)
+        self.events.write("epoch", peer_id=peer_id, epoch=epoch, samples=totals.samples, wall_s=wall_s,
+                          samples_per_second=samples_per_second, loss=totals.loss, peers=peers,
+                          compute_s=totals.compute_s, comm_s=totals.comm_s, data_s=totals.data_s,
+                          granularity=None if math.isinf(totals.granularity) else totals.granularity)
+        m = self.metrics
+        m.compute_seconds.inc(totals.compute_s)
+        m.communication_seconds.inc(totals.comm_s)
+        m.samples_per_second.set(samples_per_second)
+        m.local_epoch.set(epoch)
+        m.global_epoch.set(optimizer.tracker.global_epoch)
+        m.loss.set(totals.loss)
+        m.peers.set(peers)
+        if not math.isinf(totals.granularity):
+            m.granularity.set(totals.granularity)
+
+
+def write_resolved_config(config: GeotrainConfig, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "config.resolved.yaml"
+    path.write_text(config.to_yaml())
+    return path
