@@ -63,9 +63,9 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
     deadline = time.monotonic() + timeout_s
     peers = {pid: p for pid, p in progress.items() if p.epoch >= epoch}
     top_epoch = max([p.epoch for p in peers.values()] + [epoch])
+    # Only peers with published progress count: every trainer then computes the same list. A peer that
+    # has not stepped yet (it just loaded the state) is not in it, and takes the state like the others.
     donors = sorted(pid for pid, p in peers.items() if p.epoch == top_epoch and not p.client_mode)
-    if not client_mode and epoch == top_epoch and peer_id not in donors:
-        donors = sorted(donors + [peer_id])
     if not donors:
         logger.warning("no peer can share the final state; keeping this peer's own parameters")
         return parameters_sha256(model), False

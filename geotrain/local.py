@@ -255,6 +255,8 @@ def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path
         "swarm_samples_per_second": samples_total / wall_s if wall_s > 0 else 0.0,
         "loss_first": _weighted_loss(first),
         "loss_last": _weighted_loss(last),
+        "loss_per_epoch": [_weighted_loss([e for epochs in epoch_events for e in epochs if e["epoch"] == k])
+                           for k in range(1, last_epoch + 1)],
         "granularity": compute_s / comm_s if comm_s > 0 else None,
         "params_identical": len(hashes) == 1 and None not in hashes,
         "run_dir": str(run_dir),

@@ -7,9 +7,31 @@ importing the planner stays instant.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from dataclasses import dataclass, field
 
 INF = float("inf")
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS's C++ code sometimes prints debug lines straight to file descriptor 1; keep them off the table."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), fd)
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 @dataclass
@@ -49,9 +71,10 @@ class Program:
         if self.rows:
             matrix = coo_matrix((data, (row_index, col_index)), shape=(len(self.rows), len(self.lower))).tocsr()
             constraints.append(LinearConstraint(matrix, [r[1] for r in self.rows], [r[2] for r in self.rows]))
-        result = milp(np.array(self.objective), integrality=np.array(self.integer),
-                      bounds=Bounds(np.array(self.lower), np.array(self.upper)), constraints=constraints,
-                      options={"time_limit": time_limit_s, "mip_rel_gap": 1e-7})
+        with _quiet_stdout():
+            result = milp(np.array(self.objective), integrality=np.array(self.integer),
+                          bounds=Bounds(np.array(self.lower), np.array(self.upper)), constraints=constraints,
+                          options={"time_limit": time_limit_s, "mip_rel_gap": 1e-7})
         if result.x is None:
             return None
         return list(result.x)

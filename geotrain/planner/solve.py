@@ -179,6 +179,51 @@ def prune_dominated(offers: list[Offer], profile: ModelProfile, settings: Settin
     return kept
 
 
+def prune_dominated_sites(offers: list[Offer], inputs: Inputs, quotas: dict[str, int]) -> list[Offer]:
+    """Drop whole regions that another region of the same cloud and continent beats (exact).
+
+    Regions of one cloud on one continent have the same links and egress prices to every other
+    place. If region B (without a quota) sells, for every offer of region A, one at least as fast,
+    no dearer and on demand whenever A's is, then moving A's VMs to B never makes a configuration
+    slower or dearer: pairs A-B become same-region pairs, which are checked to be no slower and no
+    dearer than pairs between two regions.
+    """
+    profile, settings, network = inputs.profile, inputs.settings, inputs.network
+    places = network.places()
+    by_class: dict[tuple, dict[tuple[str, str], list[Offer]]] = defaultdict(lambda: defaultdict(list))
+    for offer in offers:
+        key = (offer.cloud, offer.continent, offer.region if offer.region in places else "")
+        by_class[key][offer.site].append(offer)
+    dropped: set[tuple[str, str]] = set()
+    for sites in by_class.values():
+        if len(sites) < 2:
+            continue
+        names = sorted(sites)
+        first, second = sites[names[0]][0], sites[names[1]][0]
+        between = network.link(first, second)
+        if settings.spread_zones and inputs.egress.usd_per_gb(first, first, True) > \
+                inputs.egress.usd_per_gb(first, second, True):
+            continue
+        for site in names:
+            if network.link(sites[site][0], sites[site][0]).bandwidth_gbit_per_s < between.bandwidth_gbit_per_s or \
+                    network.link(sites[site][0], sites[site][0]).rtt_ms > between.rtt_ms:
+                break
+        else:
+            def covers(better: list[Offer], worse: list[Offer]) -> bool:
+                return all(any(peer_rate(profile, b, 1, settings) >= peer_rate(profile, w, 1, settings)
+                               and b.price_usd_per_hour <= w.price_usd_per_hour and (w.spot or not b.spot)
+                               for b in better) for w in worse)
+
+            for site in names:
+                for other in names:
+                    if other == site or other in dropped or other[1] in quotas:
+                        continue
+                    if covers(sites[other], sites[site]) and (not covers(sites[site], sites[other]) or other < site):
+                        dropped.add(site)
+                        break
+    return [o for o in offers if o.site not in dropped]
+
+
 class _Context:
     """What every per-n program shares: offers, sites, network classes, prices."""
 
@@ -310,7 +355,7 @@ class _Context:
             width_ok = (b - a) > 1e-7 * b
             if feasible and a < omega <= b:
                 if omega > a:
-                    nodes.append((node_bound, (a, omega * (1 - 1e-9))))
+                    nodes.append((node_bound, (a, omega * (1 - 1e-6))))
                 nodes.append((node_bound, (omega, b)))
             elif width_ok:
                 middle = (a + b) / 2
@@ -443,17 +488,21 @@ class _Context:
                     p.row(terms, lower=-row_prices[si] - top)
                     egress_round[w] = pair_gb * (2.0 ** k)
 
-        # cost x T_comm, with T_comm = sum(level value x level binary); c_l = cost x level binary.
-        cost_max = n * max(prices) + self.coordinator_usd_per_hour
+        # cost x T_comm, with T_comm = sum(level value x level binary): the cost is split over the
+        # levels (c_l = cost if level l is chosen, else 0), which keeps the LP relaxation tight.
+        coordinator = self.coordinator_usd_per_hour
+        cost_lo, cost_hi = n * min(prices) + coordinator, n * max(prices) + coordinator
         cost_comm: dict[int, float] = {}
+        split = {x[i]: -price for i, price in enumerate(prices)}
         for value, lv in zip(levels, level):
-            c = p.var(0, cost_max)
-            p.row({c: 1.0, lv: -cost_max, **{x[i]: -price for i, price in enumerate(prices)}},
-                  lower=self.coordinator_usd_per_hour - cost_max)
+            c = p.var(0, cost_hi)
+            p.row({c: 1.0, lv: -cost_hi}, upper=0)
+            p.row({c: 1.0, lv: -cost_lo}, lower=0)
+            split[c] = 1.0
             cost_comm[c] = value
+        p.row(split, coordinator, coordinator)
         comm_terms = {lv: value for value, lv in zip(levels, level)}
         cost_terms = {x[i]: price for i, price in enumerate(prices)}
-        coordinator = self.coordinator_usd_per_hour
         fixed = 3600 * self.data_usd_per_round
 
         # T_calc = TBS / R is convex in R: tangents at a few points of [TBS/b, TBS/a] bound it from below.
@@ -464,8 +513,6 @@ class _Context:
             # compute >= TBS/r0 - TBS/r0^2 (R - r0) = 2 TBS/r0 - TBS/r0^2 R
             p.row({compute: 1.0, **{v: tbs / r0 ** 2 * coef for v, coef in rate_terms.items()}}, lower=2 * tbs / r0)
         # cost x T_calc >= McCormick bounds over cost in [cost_lo, cost_hi], T_calc in [a, b].
-        cost_lo = n * min(prices) + coordinator
-        cost_hi = n * max(prices) + coordinator
         vm_compute = p.var(0, INF)
         p.row({vm_compute: 1.0, **{x[i]: -a * pr for i, pr in enumerate(prices)}, compute: -cost_lo},
               lower=a * coordinator - cost_lo * a)
@@ -542,6 +589,7 @@ def plan(inputs: Inputs, request: Request, objective: str | None = None, top: in
     coordinator = choose_coordinator(allowed, inputs.settings)
     usable = trainable_offers(allowed, inputs.profile)
     pruned = prune_dominated(usable, inputs.profile, inputs.settings, request.region_quota_gpus)
+    pruned = prune_dominated_sites(pruned, inputs, request.region_quota_gpus)
     context = _Context(pruned, inputs, request, coordinator)
     tbs = inputs.profile.target_batch_size
 

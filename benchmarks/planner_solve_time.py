@@ -1,0 +1,127 @@
+"""Benchmark: how long `geotrain plan` takes to choose VMs, against the size of the instance catalog.
+
+Catalogs of 10 to 10,000 offers are generated (seeded, so every run sees the same ones): three
+clouds, regions on four continents, five GPU types in 1/2/4/8-GPU instance types, on-demand prices
+per GPU type scaled per region with a little noise per line, spot at 25-45% of on-demand. The
+prices and the GPU figures of the synthetic profile are made up for the benchmark only; the egress
+prices and network matrix are the shipped [EMJ24] defaults. Each catalog is planned with the
+default 16 peers for the lowest cost per sample at >= 400 samples/s, and for the most samples/s
+within $6/h.
+
+Run from the repository root::
+
+    python benchmarks/planner_solve_time.py            # writes benchmarks/results/planner_solve_time.json (+ .png)
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from geotrain.planner.catalog import Offer  # noqa: E402
+from geotrain.planner.egress import load_egress  # noqa: E402
+from geotrain.planner.model import Settings  # noqa: E402
+from geotrain.planner.network import load_network  # noqa: E402
+from geotrain.planner.profiles import ModelProfile  # noqa: E402
+from geotrain.planner.solve import Inputs, Request, plan  # noqa: E402
+
+SIZES = [int(s) for s in sys.argv[1:]] or [10, 30, 100, 300, 1000, 3000, 10000]
+REPEATS = 1
+RESULTS = Path(__file__).resolve().parent / "results"
+# Synthetic: standalone samples/s and on-demand $/h per GPU (benchmark only, not shipped figures).
+GPUS = {"T4": (80.0, 0.55), "L4": (130.0, 0.80), "A10": (185.0, 1.00), "V100": (200.0, 2.50), "A100": (420.0, 3.70)}
+PROFILE = ModelProfile(name="benchmark", parameters=197_800_000, bytes_per_parameter=2, target_batch_size=32768,
+                       samples_per_second={gpu: rate for gpu, (rate, _) in GPUS.items()},
+                       hivemind_efficiency=0.4883, round_overhead_s=20.08)
+CONTINENTS = ["us", "eu", "asia", "oce"]
+
+
+def catalog(offers: int, seed: int = 0) -> list[Offer]:
+    """About ``offers`` offers (two per line: spot and on demand)."""
+    rng = np.random.default_rng(seed)
+    lines = max(1, offers // 2)
+    types = [(gpu, count) for gpu in GPUS for count in (1, 2, 4, 8)]
+    regions_per_cloud = max(1, min(40, round((lines / len(types)) / 3)))
+    regions = [(cloud, f"{cloud}-{CONTINENTS[i % 4]}-{i}", CONTINENTS[i % 4])
+               for cloud in ("gc", "aws", "azure") for i in range(regions_per_cloud)]
+    factor = {region: rng.uniform(0.9, 1.3) for _, region, _ in regions}
+    result = []
+    for line in range(lines):
+        cloud, region, continent = regions[line % len(regions)]
+        gpu, count = types[(line // len(regions)) % len(types)]
+        variant = line // (len(regions) * len(types))
+        on_demand = GPUS[gpu][1] * count * factor[region] * rng.uniform(0.95, 1.05)
+        spot = on_demand * rng.uniform(0.25, 0.45)
+        common = dict(cloud=cloud, region=region, continent=continent, instance_type=f"{gpu.lower()}x{count}-v{variant}",
+                      gpu=gpu, gpu_count=count, vcpus=None, spot_interruption_rate=None, source="synthetic",
+                      line=line + 2)
+        result.append(Offer(price_usd_per_hour=round(on_demand, 4), spot=False, **common))
+        result.append(Offer(price_usd_per_hour=round(spot, 4), spot=True, **common))
+    return result
+
+
+def measure(offers: list[Offer], request: Request) -> dict:
+    inputs = Inputs(offers, PROFILE, load_network(), load_egress(), Settings())
+    walls, cpus, result = [], [], None
+    for _ in range(REPEATS):
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = plan(inputs, request)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
+            "programs": result.programs_solved, "offers_after_pruning": result.offers_after_pruning,
+            "best": result.best.describe(), "best_samples_per_second": result.best.samples_per_second,
+            "best_usd_per_million_samples": result.best.usd_per_million_samples}
+
+
+def main() -> None:
+    plan(Inputs(catalog(10), PROFILE, load_network(), load_egress()), Request(max_peers=2))  # import scipy once
+    runs = []
+    for size in SIZES:
+        offers = catalog(size)
+        row = {"offers": len(offers),
+               "cost_per_sample": measure(offers, Request(min_samples_per_second=400)),
+               "throughput": measure(offers, Request(objective="throughput", budget_usd_per_hour=6.0))}
+        runs.append(row)
+        print(f"{len(offers):6d} offers: cost-per-sample {row['cost_per_sample']['wall_s']:.2f} s wall "
+              f"({row['cost_per_sample']['cpu_s']:.2f} s CPU, {row['cost_per_sample']['programs']} MILPs), "
+              f"throughput {row['throughput']['wall_s']:.2f} s wall ({row['throughput']['cpu_s']:.2f} s CPU, "
+              f"{row['throughput']['programs']} MILPs)", flush=True)
+    import scipy
+
+    RESULTS.mkdir(exist_ok=True)
+    data = {"benchmark": "planner_solve_time", "max_peers": 16, "repeats": REPEATS, "python": platform.python_version(),
+            "scipy": scipy.__version__, "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
+            "runs": runs}
+    (RESULTS / "planner_solve_time.json").write_text(json.dumps(data, indent=2) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    figure, axes = plt.subplots(figsize=(6.5, 4), dpi=120)
+    sizes = [r["offers"] for r in runs]
+    for key, label in (("cost_per_sample", "lowest $/sample, >= 400 samples/s"),
+                       ("throughput", "most samples/s within $6/h")):
+        axes.plot(sizes, [r[key]["wall_s"] for r in runs], "-o", label=label)
+    axes.axhline(2.0, color="#555", linestyle="--", linewidth=1, label="2 s target")
+    axes.set_xscale("log")
+    axes.set_xlabel("offers in the catalog")
+    axes.set_ylabel("solve time, s (median of 3)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(RESULTS / "planner_solve_time.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Helpers for tests that start real peers as OS processes on loopback (nothing mocked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from geotrain.events import read_events
+from geotrain.processes import descendants
+
+# Small enough for 2 shared cores, large enough that an epoch takes a few seconds and peers meet in it.
+FAST_SWARM = ["--task", "cv", "--preset", "tiny", "--target-batch-size", "1024", "--batch-size", "32"]
+
+
+def geotrain(*arguments: str, timeout_s: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run one geotrain command to its end, as a user would."""
+    return subprocess.run([sys.executable, "-m", "geotrain", *arguments], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+def spawn(*arguments: str, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    return subprocess.Popen([sys.executable, "-m", "geotrain", *arguments], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.3):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def last_epoch(events_path: Path) -> int:
+    return max((e["epoch"] for e in read_events(events_path) if e["event"] == "epoch"), default=0)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``text`` (hivemind's forks keep their parent's)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                command = handle.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in command and alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+class Swarm:
+    """A coordinator and trainers started by hand, for tests that need to act in the middle of a run."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.processes: list[subprocess.Popen] = []
+        self.initial_peers: list[str] = []
+
+    def start_coordinator(self) -> list[str]:
+        peers_file = self.directory / "initial_peers.txt"
+        self.processes.append(spawn("coordinator", "--port", "0", "--state-dir", str(self.directory / "coord"),
+                                    "--initial-peers-file", str(peers_file),
+                                    log_path=self.directory / "coordinator.log"))
+        wait_for(peers_file.exists, 90, "the coordinator's address")
+        self.initial_peers = peers_file.read_text().split()
+        return self.initial_peers
+
+    def start_trainer(self, name: str, *arguments: str) -> tuple[subprocess.Popen, Path]:
+        events = self.directory / f"{name}.jsonl"
+        command = ["peer", "--events", str(events), "--threads", "1", "--network-profile", "loopback"]
+        for address in self.initial_peers:
+            command += ["--initial-peers", address]
+        process = spawn(*command, *arguments, log_path=self.directory / f"{name}.log")
+        self.processes.append(process)
+        return process, events
+
+    def log(self, name: str) -> str:
+        return (self.directory / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def run_local(directory: Path, *arguments: str, timeout_s: float = 400) -> tuple[dict, subprocess.CompletedProcess]:
+    summary_path = directory / "summary.json"
+    result = geotrain("local", "--run-dir", str(directory / "run"), "--json", str(summary_path), *arguments,
+                      timeout_s=timeout_s)
+    assert summary_path.exists(), f"no summary written:\n{result.stdout}\n{result.stderr}"
+    assert not processes_mentioning(str(directory)), "a peer process outlived `geotrain local`"
+    return json.loads(summary_path.read_text()), result
+
+

@@ -1,0 +1,62 @@
+"""A trainer joining late, and a trainer told to stop."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from geotrain.events import read_events
+from geotrain.processes import descendants
+from swarm_helpers import FAST_SWARM, alive, last_epoch, wait_for
+
+STOP_BUDGET_S = 30.0
+
+
+def _finished(events_path):
+    return next((e for e in read_events(events_path) if e["event"] == "finished"), None)
+
+
+def test_a_trainer_that_joins_after_epoch_two_loads_state_and_ends_equal(swarm):
+    swarm.start_coordinator()
+    common = [*FAST_SWARM, "--target-batch-size", "4096", "--max-epochs", "10"]
+    first, first_events = swarm.start_trainer("a", *common, "--wait-for-peers", "2", "--data-seed", "1")
+    second, second_events = swarm.start_trainer("b", *common, "--wait-for-peers", "2", "--data-seed", "2")
+    wait_for(lambda: last_epoch(first_events) >= 2, 180, "the swarm to reach epoch 2")
+    late, late_events = swarm.start_trainer("late", *common, "--data-seed", "3")
+
+    for process in (first, second, late):
+        process.wait(timeout=300)
+    results = {name: _finished(path) for name, path in
+               (("a", first_events), ("b", second_events), ("late", late_events))}
+    assert all(results.values()), {name: swarm.log(name)[-2000:] for name, r in results.items() if not r}
+    assert {r["epoch"] for r in results.values()} == {10}
+    late_joined = [e for e in read_events(late_events) if e["event"] == "state_loaded"]
+    assert late_joined and late_joined[0]["epoch"] >= 2, "the late trainer did not load the swarm's state"
+    hashes = {r["params_sha256"] for r in results.values()}
+    assert len(hashes) == 1, f"parameters differ: {results}"
+
+
+def test_sigterm_stops_a_trainer_within_30_s_and_leaves_no_process(swarm):
+    swarm.start_coordinator()
+    trainer, events = swarm.start_trainer("t", *FAST_SWARM, "--target-batch-size", "256")
+    wait_for(lambda: last_epoch(events) >= 1, 120, "the trainer's first epoch")
+    children = descendants(trainer.pid)
+    commands = []
+    for pid in children:
+        try:
+            commands.append(open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"))
+        except OSError:
+            pass
+    assert any("p2pd" in command for command in commands), "expected hivemind's p2pd among the children"
+
+    sent = time.monotonic()
+    trainer.send_signal(signal.SIGTERM)
+    trainer.wait(timeout=STOP_BUDGET_S + 10)
+    stop_s = time.monotonic() - sent
+    assert stop_s <= STOP_BUDGET_S, f"the trainer took {stop_s:.1f} s to stop"
+    assert trainer.returncode == 0, swarm.log("t")[-2000:]
+    finished = _finished(events)
+    assert finished is not None and finished["stopped_by_request"] is True
+    time.sleep(0.5)
+    survivors = [pid for pid in children if alive(pid)]
+    assert not survivors, f"processes outlived the trainer: {survivors}"

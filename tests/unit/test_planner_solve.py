@@ -1,0 +1,155 @@
+"""The optimiser's answer equals a brute-force search over every configuration of small catalogs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from geotrain.planner.catalog import Offer
+from geotrain.planner.egress import load_egress
+from geotrain.planner.errors import PlannerError
+from geotrain.planner.model import Settings, evaluate
+from geotrain.planner.network import load_network
+from geotrain.planner.profiles import ModelProfile
+from geotrain.planner.solve import Inputs, Request, plan, ranking_key, satisfies
+
+PROFILE = ModelProfile(name="test", parameters=200_000_000, bytes_per_parameter=2, target_batch_size=32768,
+                       samples_per_second={"T4": 80, "A10": 185}, hivemind_efficiency=0.5, round_overhead_s=20.0)
+
+
+def offer(cloud, region, continent, gpu, price, spot, line, interruption=None):
+    return Offer(cloud=cloud, region=region, continent=continent, instance_type=f"{gpu.lower()}-vm", gpu=gpu,
+                 gpu_count=1, vcpus=None, price_usd_per_hour=price, spot=spot,
+                 spot_interruption_rate=interruption, source="test", line=line)
+
+
+# Two continents, two clouds, spot and on-demand, a faster GPU: small enough to enumerate.
+CATALOG = [
+    offer("gc", "us-central1", "us", "T4", 0.18, True, 1),
+    offer("gc", "us-central1", "us", "T4", 0.572, False, 1),
+    offer("gc", "europe-west4", "eu", "T4", 0.15, True, 2, interruption=0.10),
+    offer("aws", "us-east-1", "us", "A10", 0.45, True, 3),
+    offer("azure", "eastus", "us", "T4", 0.40, False, 4),
+]
+
+
+def brute_force(inputs: Inputs, request: Request, objective: str):
+    """Best configuration by exhaustive enumeration, using the same coordinator rule as the planner."""
+    allowed = [o for o in inputs.offers if standalone(o)]
+    on_demand = [o for o in inputs.offers if not o.spot]
+    coordinator = None
+    if inputs.settings.anchor == "coordinator":
+        coordinator = min(on_demand, key=lambda o: (o.price_usd_per_hour, o.gpu_count, o.cloud, o.region,
+                                                    o.instance_type))
+    best = None
+    for counts in itertools.product(range(request.max_peers + 1), repeat=len(allowed)):
+        if not 1 <= sum(counts) <= request.max_peers:
+            continue
+        config = {o: c for o, c in zip(allowed, counts) if c}
+        if inputs.settings.anchor == "trainer" and not any(not o.spot for o in config):
+            continue
+        if any(sum(c * o.gpu_count for o, c in config.items() if o.region == region) > quota
+               for region, quota in request.region_quota_gpus.items()):
+            continue
+        prediction = evaluate(config, inputs.profile, inputs.network, inputs.egress, inputs.settings, coordinator)
+        if satisfies(prediction, request) and (best is None or
+                                               ranking_key(objective)(prediction) < ranking_key(objective)(best)):
+            best = prediction
+    return best
+
+
+def standalone(o: Offer) -> bool:
+    return o.gpu in PROFILE.samples_per_second
+
+
+SCENARIOS = [
+    ("cost-per-sample", Request(max_peers=4), Settings()),
+    ("cost-per-sample", Request(max_peers=5, min_samples_per_second=150), Settings()),
+    ("cost-per-sample", Request(max_peers=5, min_samples_per_second=150, region_quota_gpus={"us-central1": 2}),
+     Settings()),
+    ("cost-per-sample", Request(max_peers=4, min_samples_per_second=120, budget_usd_per_hour=2.0), Settings(overlap=True)),
+    ("cost-per-sample", Request(max_peers=4, min_samples_per_second=100), Settings(anchor="trainer")),
+    ("cost-per-sample", Request(max_peers=4, region_quota_gpus={"us-east-1": 1, "us-central1": 1}),
+     Settings(spread_zones=True)),
+    ("throughput", Request(max_peers=5, budget_usd_per_hour=2.5), Settings()),
+    ("throughput", Request(max_peers=4, budget_usd_per_hour=1.6, region_quota_gpus={"us-east-1": 2}), Settings()),
+    ("throughput", Request(max_peers=4, budget_usd_per_hour=3.0), Settings(overlap=True, anchor="trainer")),
+]
+
+
+@pytest.mark.parametrize("objective,request_,settings", SCENARIOS)
+def test_optimiser_matches_brute_force(objective, request_, settings):
+    inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), settings)
+    expected = brute_force(inputs, request_, objective)
+    got = plan(inputs, request_, objective=objective).best
+    if objective == "throughput":
+        assert got.samples_per_second == pytest.approx(expected.samples_per_second, rel=1e-6)
+    else:
+        assert got.usd_per_million_samples == pytest.approx(expected.usd_per_million_samples, rel=1e-6)
+    assert satisfies(got, request_)
+
+
+def test_every_swarm_size_is_the_best_of_its_size():
+    inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
+    request = Request(max_peers=4, min_samples_per_second=60)
+    result = plan(inputs, request, top=request.max_peers)
+    for candidate in result.candidates:
+        sized = Request(max_peers=candidate.peers, min_samples_per_second=60)
+        expected = min((p for p in [brute_force_exact(inputs, sized, candidate.peers)] if p),
+                       key=ranking_key("cost-per-sample"))
+        assert candidate.usd_per_million_samples == pytest.approx(expected.usd_per_million_samples, rel=1e-6)
+
+
+def brute_force_exact(inputs: Inputs, request: Request, peers: int):
+    allowed = [o for o in inputs.offers if standalone(o)]
+    coordinator = min((o for o in inputs.offers if not o.spot), key=lambda o: o.price_usd_per_hour)
+    options = []
+    for counts in itertools.product(range(peers + 1), repeat=len(allowed)):
+        if sum(counts) == peers:
+            prediction = evaluate({o: c for o, c in zip(allowed, counts) if c}, inputs.profile, inputs.network,
+                                  inputs.egress, inputs.settings, coordinator)
+            if satisfies(prediction, request):
+                options.append(prediction)
+    return min(options, key=ranking_key("cost-per-sample")) if options else None
+
+
+def test_spreading_over_continents_is_chosen_only_when_a_quota_forces_it():
+    inputs = Inputs(CATALOG[:3], PROFILE, load_network(), load_egress(), Settings())
+    free = plan(inputs, Request(max_peers=6, min_samples_per_second=150)).best
+    assert len({o.region for o, _ in free.counts}) == 1
+    forced = plan(inputs, Request(max_peers=6, min_samples_per_second=150,
+                                  region_quota_gpus={"us-central1": 3, "europe-west4": 3})).best
+    assert {o.region for o, _ in forced.counts} == {"us-central1", "europe-west4"}
+    assert forced.egress_usd_per_hour > 0
+
+
+def test_infeasible_throughput_floor_names_max_peers():
+    inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
+    with pytest.raises(PlannerError, match=r"--min-samples-per-second 5000 is out of reach.*--max-peers 4"):
+        plan(inputs, Request(max_peers=4, min_samples_per_second=5000))
+
+
+def test_infeasible_budget_names_the_budget():
+    inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
+    with pytest.raises(PlannerError, match=r"--budget-usd-per-hour 0.2 is below the cheapest configuration"):
+        plan(inputs, Request(max_peers=4, budget_usd_per_hour=0.2))
+
+
+def test_budget_and_floor_together_name_both():
+    inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
+    with pytest.raises(PlannerError, match=r"--budget-usd-per-hour 1 and --min-samples-per-second 250 cannot both"):
+        plan(inputs, Request(max_peers=8, budget_usd_per_hour=1.0, min_samples_per_second=250))
+
+
+def test_filters_that_leave_nothing_name_the_filter():
+    inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
+    with pytest.raises(PlannerError, match=r"--clouds lambda leaves no offer.*gc"):
+        plan(inputs, Request(clouds=frozenset({"lambda"})))
+
+
+def test_spot_only_catalog_has_no_anchor():
+    spot_only = [o for o in CATALOG if o.spot]
+    inputs = Inputs(spot_only, PROFILE, load_network(), load_egress(), Settings())
+    with pytest.raises(PlannerError, match="on-demand VM for durable state"):
+        plan(inputs, Request(max_peers=3))
