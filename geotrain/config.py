@@ -51,13 +51,16 @@ class _Strict(BaseModel):
 #   (25.6M params, fp16 -> ~51 MB, each peer sending ~2*M/N to the others) takes tens of seconds, so the
 #   timeout is long and delayed parameter updates overlap that time with the next epoch's compute, as
 #   the [EMJ24] runs did.
+# request_timeout_s bounds the wait for a group leader's answer; hivemind needs it below the
+# matchmaking time, or two peers asking each other can deadlock until the averaging timeout.
 # progress_refresh_s is how often a peer that sees no others looks again for their progress records;
 # on a LAN a look-up is cheap, across oceans each one costs several round trips.
 # fp16 gradient compression halves the traffic at no measurable loss of accuracy [EMJ24 used it
 # in every run]; it is the default everywhere.
 NETWORK_PROFILES: dict[str, dict[str, Any]] = {
     "loopback": {
-        "matchmaking_time_s": 1.0,
+        "matchmaking_time_s": 1.5,
+        "request_timeout_s": 0.5,
         "averaging_timeout_s": 10.0,
         "progress_refresh_s": 0.5,
         "grad_compression": "fp16",
@@ -65,6 +68,7 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
     },
     "lan": {
         "matchmaking_time_s": 3.0,
+        "request_timeout_s": 1.0,
         "averaging_timeout_s": 60.0,
         "progress_refresh_s": 0.5,
         "grad_compression": "fp16",
@@ -72,6 +76,7 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
     },
     "continent": {
         "matchmaking_time_s": 10.0,
+        "request_timeout_s": 3.0,
         "averaging_timeout_s": 180.0,
         "progress_refresh_s": 1.0,
         "grad_compression": "fp16",
@@ -79,6 +84,7 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
     },
     "intercontinental": {
         "matchmaking_time_s": 20.0,
+        "request_timeout_s": 5.0,
         "averaging_timeout_s": 600.0,
         "progress_refresh_s": 3.0,
         "grad_compression": "fp16",
@@ -134,6 +140,7 @@ class OptimizerConfig(_Strict):
     use_local_updates: bool = Field(False, description="Step locally each micro-step; average parameters instead.")
     matchmaking_time_s: float = Field(gt=0)
     averaging_timeout_s: float = Field(gt=0)
+    request_timeout_s: float = Field(gt=0, description="How long to wait for a group leader's answer.")
     progress_refresh_s: float = Field(gt=0, description="How often to look for the swarm's progress when alone.")
     load_state_timeout_s: float = Field(120.0, gt=0)
     average_state_every: int = Field(1, ge=1, description="Average parameters and optimizer state every N epochs.")
@@ -147,6 +154,14 @@ class OptimizerConfig(_Strict):
         if profile not in NETWORK_PROFILES:
             return data  # the field validator reports it, naming the choices
         return {**NETWORK_PROFILES[profile], **data}
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> "OptimizerConfig":
+        if self.request_timeout_s >= self.matchmaking_time_s:
+            raise ValueError(
+                f"optimizer.request_timeout_s ({self.request_timeout_s}) must be below optimizer.matchmaking_time_s "
+                f"({self.matchmaking_time_s}); otherwise matchmaking can deadlock until the averaging timeout")
+        return self
 
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> "OptimizerConfig":

@@ -71,6 +71,10 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
 
     opt = config.optimizer
     delayed = opt.delayed_parameter_updates
+    # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory
+    from hivemind.optim.grad_averager import GradientAverager
+
+    grad_averager_factory = partial(GradientAverager, request_timeout=opt.request_timeout_s)
     return hivemind.Optimizer(
         dht=dht,
         run_id=config.swarm.run_id,
@@ -88,6 +92,8 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         use_local_updates=opt.use_local_updates,
         average_state_every=opt.average_state_every,
         grad_compression=build_compression(opt.grad_compression),
+        grad_averager_factory=grad_averager_factory,
+        averager_opts={"request_timeout": opt.request_timeout_s},
         # a peer must notice soon that the swarm reached the target batch, or it runs on alone; the
         # bound on the refresh period keeps that lag small next to an epoch
         tracker_opts={"default_refresh_period": opt.progress_refresh_s,

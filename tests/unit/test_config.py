@@ -1,0 +1,94 @@
+"""The config tree: defaults, network profiles, precedence, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from geotrain.config import NETWORK_PROFILES, ConfigError, load_config, parse_override
+
+
+def write(tmp_path, text):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_need_no_file():
+    config = load_config()
+    assert config.swarm.run_id == "geotrain"
+    assert config.task.name == "cv" and config.task.preset == "tiny"
+    assert config.optimizer.grad_compression == "fp16"  # the default the [EMJ24] runs used
+    assert config.optimizer.target_batch_size >= config.optimizer.batch_size_per_step
+
+
+@pytest.mark.parametrize("profile", sorted(NETWORK_PROFILES))
+def test_network_profile_sets_its_knobs_together(profile):
+    config = load_config(set_args=[f"optimizer.network_profile={profile}"])
+    for key, value in NETWORK_PROFILES[profile].items():
+        assert getattr(config.optimizer, key) == value
+
+
+def test_profiles_grow_more_patient_with_distance():
+    order = ["loopback", "lan", "continent", "intercontinental"]
+    timeouts = [NETWORK_PROFILES[name]["averaging_timeout_s"] for name in order]
+    assert timeouts == sorted(timeouts)
+    assert NETWORK_PROFILES["intercontinental"]["delayed_parameter_updates"] is True
+
+
+def test_explicit_value_wins_over_the_profile(tmp_path):
+    path = write(tmp_path, "optimizer:\n  network_profile: intercontinental\n  averaging_timeout_s: 42\n")
+    config = load_config(path)
+    assert config.optimizer.averaging_timeout_s == 42
+    assert config.optimizer.delayed_parameter_updates is True
+
+
+def test_precedence_defaults_then_file_then_set_then_flags(tmp_path):
+    path = write(tmp_path, "optimizer:\n  target_batch_size: 2048\n  learning_rate: 0.1\n")
+    config = load_config(path, overrides={"optimizer.target_batch_size": 8192},
+                         set_args=["optimizer.target_batch_size=4096", "optimizer.learning_rate=0.2"],
+                         defaults={"optimizer.learning_rate": 0.3, "optimizer.network_profile": "loopback"})
+    assert config.optimizer.target_batch_size == 8192
+    assert config.optimizer.learning_rate == 0.2
+    assert config.optimizer.network_profile == "loopback"
+
+
+def test_a_default_does_not_override_the_file(tmp_path):
+    path = write(tmp_path, "optimizer:\n  network_profile: continent\n")
+    config = load_config(path, defaults={"optimizer.network_profile": "loopback"})
+    assert config.optimizer.network_profile == "continent"
+
+
+def test_errors_list_every_wrong_key(tmp_path):
+    path = write(tmp_path, "swarm:\n  port: 70000\n  colour: blue\ntask:\n  name: chess\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    message = str(error.value)
+    assert "swarm.port" in message and "65535" in message
+    assert "swarm.colour: unknown key" in message
+    assert "task.name" in message
+
+
+def test_data_path_is_required_for_real_sources():
+    with pytest.raises(ConfigError, match="task.data.path: required when task.data.source is 'folder'"):
+        load_config(set_args=["task.data.source=folder"])
+
+
+def test_identity_and_announce_addresses():
+    config = load_config(overrides={"swarm.host": "0.0.0.0", "swarm.port": 31337,
+                                    "swarm.announce_host": "203.0.113.7"})
+    assert config.swarm.host_maddrs() == ["/ip4/0.0.0.0/tcp/31337"]
+    assert config.swarm.announce_maddrs() == ["/ip4/203.0.113.7/tcp/31337"]
+
+
+def test_override_syntax():
+    assert parse_override("optimizer.learning_rate=0.01") == ("optimizer.learning_rate", 0.01)
+    assert parse_override("swarm.initial_peers=[/ip4/1.2.3.4/tcp/1/p2p/Qm]") == (
+        "swarm.initial_peers", ["/ip4/1.2.3.4/tcp/1/p2p/Qm"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_override("learning_rate")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(set_args=["optimizer.network_profile=continent", "task.preset=tiny"])
+    path = write(tmp_path, config.to_yaml())
+    assert load_config(path) == config
