@@ -13,7 +13,8 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/geotrain local --peers 3 --task cv --epochs 5 --run-dir runs/demo --json runs/demo/summary.json
+	$(BIN)/geotrain local --peers 3 --task cv --epochs 5 --target-batch-size 1024 --lr 0.01 \
+		--run-dir runs/demo --json runs/demo/summary.json
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -512,12 +512,18 @@ class _Context:
             r0 = r_lo * (r_hi / r_lo) ** (j / (TANGENTS - 1)) if TANGENTS > 1 else r_hi
             # compute >= TBS/r0 - TBS/r0^2 (R - r0) = 2 TBS/r0 - TBS/r0^2 R
             p.row({compute: 1.0, **{v: tbs / r0 ** 2 * coef for v, coef in rate_terms.items()}}, lower=2 * tbs / r0)
-        # cost x T_calc >= McCormick bounds over cost in [cost_lo, cost_hi], T_calc in [a, b].
+        # cost x T_calc = TBS x sum(price/rate of each offer x its share of the throughput) + coordinator x T_calc.
+        # The shares s_o = rate_o x_o / R lie within [rate_o x_o / R_hi, rate_o x_o / R_lo] and sum to 1:
+        # linear, and exact once the node is narrow.
+        shares = {}
+        for i, (offer, rate) in enumerate(zip(self.offers, rates)):
+            share = p.var(0, 1)
+            p.row({share: 1.0, x[i]: -rate / r_hi}, lower=0)
+            p.row({share: 1.0, x[i]: -rate / r_lo}, upper=0)
+            shares[share] = tbs * prices[i] / rate
+        p.row({v: 1.0 for v in shares}, 1, 1)
         vm_compute = p.var(0, INF)
-        p.row({vm_compute: 1.0, **{x[i]: -a * pr for i, pr in enumerate(prices)}, compute: -cost_lo},
-              lower=a * coordinator - cost_lo * a)
-        p.row({vm_compute: 1.0, **{x[i]: -b * pr for i, pr in enumerate(prices)}, compute: -cost_hi},
-              lower=b * coordinator - cost_hi * b)
+        p.row({vm_compute: 1.0, **{v: -c for v, c in shares.items()}, compute: -coordinator}, lower=0)
         # 3600 x cost per round >= cost x T_calc + cost x T_comm (or the larger of them, with overlap)
         # + 3600 x (egress + data); exact when T_calc is at either end of the node.
         if settings.overlap:
