@@ -21,6 +21,7 @@ EXIT_OK = 0
 EXIT_UNEXPECTED = 1
 EXIT_BAD_INPUT = 2
 EXIT_SWARM_JOIN_FAILED = 3
+# a trainer that left because of a preemption notice exits with geotrain.preemption.EXIT_PREEMPTED (75)
 
 # flag -> (config key, argparse options). Every flag is optional and only overrides when given.
 SWARM_FLAGS = {
@@ -37,6 +38,9 @@ SWARM_FLAGS = {
     "--bootstrap-timeout": ("swarm.bootstrap_timeout_s", {"type": float, "metavar": "SECONDS"}),
     "--metrics-port": ("metrics.port", {"type": int, "help": "serve Prometheus metrics on this port"}),
     "--metrics-host": ("metrics.host", {}),
+    "--region": ("metrics.region", {"help": "label for metrics: this VM's region"}),
+    "--cloud": ("metrics.cloud", {"help": "label for metrics: this VM's cloud (aws, gcp, azure, ...)"}),
+    "--instance-type": ("metrics.instance_type", {"help": "label for metrics: this VM's instance type"}),
 }
 TRAINING_FLAGS = {
     "--task": ("task.name", {"help": "cv, nlp or asr"}),
@@ -100,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(peer, SWARM_FLAGS)
     _add_config_flags(peer, TRAINING_FLAGS)
     peer.add_argument("--max-epochs", dest="training.max_epochs", type=int, default=None)
+    peer.add_argument("--preemption", dest="preemption.source", default=None,
+                      help="where spot preemption notices come from: auto (default), aws, gcp, azure, signal, none")
     peer.add_argument("--data-seed", dest="training.data_seed", type=int, default=None,
                       help="seed of this peer's data order (default: from its peer id)")
     peer.add_argument("--events", type=Path, metavar="JSONL", help="write one JSON line per state change here")
@@ -142,33 +148,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_peer(args: argparse.Namespace) -> int:
     config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS],
-                              {"training.max_epochs": getattr(args, "training.max_epochs"),
-                               "training.data_seed": getattr(args, "training.data_seed")})
+                              {key: getattr(args, key) for key in
+                               ("training.max_epochs", "training.data_seed", "preemption.source")})
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     from geotrain.events import EventLog
-    from geotrain.lifecycle import StopSignals
+    from geotrain.lifecycle import Stopper
     from geotrain.trainer import Trainer
 
-    signals = StopSignals().install()
+    stopper = Stopper().install_signal_handlers()
     events = EventLog(args.events)
     try:
-        Trainer(config, events, wait_for_peers=args.wait_for_peers).run(signals.stop)
+        Trainer(config, events, wait_for_peers=args.wait_for_peers).run(stopper)
     finally:
         events.close()
-    return EXIT_OK
+    return stopper.exit_code if stopper.exit_code is not None else EXIT_OK
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
     from geotrain.coordinator import DEFAULT_PORT, DEFAULT_STATE_DIR, Coordinator
-    from geotrain.lifecycle import StopSignals
+    from geotrain.lifecycle import Stopper
 
     port = DEFAULT_PORT if getattr(args, "swarm.port") is None else None
     config = config_from_args(args, [SWARM_FLAGS], {"swarm.port": port})
-    signals = StopSignals().install()
-    Coordinator(config, args.state_dir or DEFAULT_STATE_DIR, args.initial_peers_file).run(signals.stop)
+    stopper = Stopper().install_signal_handlers()
+    Coordinator(config, args.state_dir or DEFAULT_STATE_DIR, args.initial_peers_file).run(stopper.stop)
     return EXIT_OK
 
 

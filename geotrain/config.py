@@ -206,6 +206,20 @@ class TaskConfig(_Strict):
 class MetricsConfig(_Strict):
     port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint port; none disables it.")
     host: str = Field("127.0.0.1", description="Address of the metrics endpoint; loopback unless told otherwise.")
+    region: str = Field("local", description="Label: the VM's region, e.g. us-central1 (startup scripts set it).")
+    cloud: str = Field("local", description="Label: the VM's cloud, e.g. gcp, aws, azure.")
+    instance_type: str = Field("local", description="Label: the VM's instance type, e.g. g4dn.xlarge.")
+
+
+class PreemptionConfig(_Strict):
+    """Where spot preemption notices come from (see geotrain/preemption.py)."""
+
+    source: Literal["auto", "aws", "gcp", "azure", "signal", "none"] = "auto"
+    poll_interval_s: float = Field(5.0, gt=0, description="How often to ask AWS/Azure for notices (AWS: ~5 s).")
+    exit_budget_s: float = Field(20.0, gt=0, description="Leave the swarm within this many seconds of a notice.")
+    aws_metadata_url: str = "http://169.254.169.254"
+    gcp_metadata_url: str = "http://metadata.google.internal"
+    azure_metadata_url: str = "http://169.254.169.254"
 
 
 class TrainingConfig(_Strict):
@@ -220,6 +234,7 @@ class GeotrainConfig(_Strict):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
 
     def to_yaml(self) -> str:

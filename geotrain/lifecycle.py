@@ -1,9 +1,9 @@
-"""Stopping a peer on SIGINT/SIGTERM: cleanly when possible, within a hard deadline always.
+"""Stopping a peer: on SIGINT/SIGTERM or a preemption notice, cleanly when possible, within a deadline always.
 
-The first signal asks the peer to stop: it finishes its micro-step, says goodbye to the swarm and
-shuts hivemind down. If that has not finished ``deadline_s`` after the signal (a peer can be blocked
-inside an averaging round), a watchdog stops every child process, p2pd included, and exits.
-A second signal does the same at once.
+A stop request asks the peer to finish its micro-step, say goodbye to the swarm and shut hivemind down.
+If that has not finished ``deadline_s`` after the request (a peer can be blocked inside an averaging
+round), a watchdog stops every child process, p2pd included, and exits. A second signal does the same
+at once.
 """
 
 from __future__ import annotations
@@ -22,22 +22,24 @@ STOP_DEADLINE_S = 20.0  # well inside the 30 s a spot VM gets after its soft-off
 EXIT_CODE_FORCED = 143
 
 
-class StopSignals:
-    """Turns SIGINT/SIGTERM into ``self.stop`` (a threading.Event) plus a forced-exit watchdog."""
+class Stopper:
+    """``self.stop`` (a threading.Event) is set by SIGINT/SIGTERM or :meth:`request_stop`."""
 
     def __init__(self, deadline_s: float = STOP_DEADLINE_S):
         self.stop = threading.Event()
         self.deadline_s = deadline_s
-        self.signal_time: float | None = None
-        self._previous = {}
+        self.requested_monotonic_s: float | None = None
+        self.reason: str | None = None
+        self.exit_code: int | None = None  # set by a request that wants a particular code
         self._owner_pid = os.getpid()
+        self._lock = threading.Lock()
 
-    def install(self) -> "StopSignals":
+    def install_signal_handlers(self) -> "Stopper":
         for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._handle)
+            signal.signal(signum, self._handle_signal)
         return self
 
-    def _handle(self, signum: int, _frame) -> None:
+    def _handle_signal(self, signum: int, _frame) -> None:
         if os.getpid() != self._owner_pid:
             # a process hivemind forked inherited this handler: let the signal do what it normally does
             signal.signal(signum, signal.SIG_DFL)
@@ -47,19 +49,31 @@ class StopSignals:
         if self.stop.is_set():
             logger.warning("%s again: stopping now", name)
             self._force_exit()
-        self.signal_time = time.monotonic()
-        logger.info("%s received: leaving the swarm (at most %.0f s)", name, self.deadline_s)
-        self.stop.set()
-        watchdog = threading.Timer(self.deadline_s, self._deadline_passed)
+        self.request_stop(f"{name} received", self.deadline_s)
+
+    def request_stop(self, reason: str, deadline_s: float, exit_code: int | None = None) -> None:
+        with self._lock:
+            if self.stop.is_set():
+                return
+            self.requested_monotonic_s = time.monotonic()
+            self.reason = reason
+            self.exit_code = exit_code
+            logger.info("%s: leaving the swarm (at most %.0f s)", reason, deadline_s)
+            self.stop.set()
+        watchdog = threading.Timer(deadline_s, self._deadline_passed, args=(deadline_s,))
         watchdog.daemon = True
         watchdog.start()
 
-    def _deadline_passed(self) -> None:
-        logger.warning("clean shutdown took over %.0f s; stopping hivemind's processes", self.deadline_s)
+    def seconds_since_request(self) -> float | None:
+        if self.requested_monotonic_s is None:
+            return None
+        return time.monotonic() - self.requested_monotonic_s
+
+    def _deadline_passed(self, deadline_s: float) -> None:
+        logger.warning("clean shutdown took over %.0f s; stopping hivemind's processes", deadline_s)
         self._force_exit()
 
-    @staticmethod
-    def _force_exit() -> None:
+    def _force_exit(self) -> None:
         kill_descendants(grace_s=2.0)
         logging.shutdown()
-        os._exit(EXIT_CODE_FORCED)
+        os._exit(self.exit_code if self.exit_code is not None else EXIT_CODE_FORCED)

@@ -104,7 +104,7 @@ class LocalSwarm:
         trainers = []
         for index in range(self.peers):
             events_path = self.run_dir / f"peer-{index}.jsonl"
-            arguments = ["peer", "--config", str(config_path), "--events", str(events_path),
+            arguments = ["peer", "--config", str(config_path), "--events", str(events_path), "--preemption", "signal",
                          "--data-seed", str(index + 1), "--wait-for-peers", str(self.peers),
                          "--threads", str(threads)]
             for address in initial_peers:

@@ -1,7 +1,8 @@
 """Prometheus metrics of one peer, served on ``metrics.port`` (loopback unless told otherwise).
 
 Names follow Prometheus conventions: counters end in ``_total``, durations in ``_seconds``.
-Every metric carries the run id and the peer's role as labels.
+Every metric carries the run id, the peer's role, and its region, cloud and instance type (from the
+``metrics`` section of its config) as labels.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ class MetricsPortError(RuntimeError):
 
 
 class PeerMetrics:
-    def __init__(self, run_id: str, role: str):
+    def __init__(self, run_id: str, role: str, config: MetricsConfig | None = None):
+        config = config or MetricsConfig()
         self.registry = CollectorRegistry()
-        labels = {"run_id": run_id, "role": role}
+        labels = {"run_id": run_id, "role": role, "region": config.region, "cloud": config.cloud,
+                  "instance_type": config.instance_type}
         names = list(labels)
 
         def gauge(name: str, documentation: str) -> Gauge:
@@ -34,6 +37,7 @@ class PeerMetrics:
         self.communication_seconds = counter(
             "geotrain_communication_seconds", "Seconds spent averaging with peers or waiting for them")
         self.state_loads = counter("geotrain_state_loads", "Times this peer loaded the swarm's state from peers")
+        self.preemption_notices = counter("geotrain_preemption_notices", "Spot preemption notices received")
         self.samples_per_second = gauge("geotrain_samples_per_second", "This peer's samples/s over its last epoch")
         self.local_epoch = gauge("geotrain_local_epoch", "Epoch of this peer's parameters")
         self.global_epoch = gauge("geotrain_global_epoch", "Newest epoch any peer of the swarm has reached")

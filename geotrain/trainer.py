@@ -10,9 +10,14 @@ average their gradients and step together: one *epoch*. Per epoch the trainer me
 spent computing (forward and backward) and the time spent communicating (inside the optimizer:
 matchmaking, all-reduce, waiting for peers, loading state); their ratio is the *granularity*.
 
+On a spot VM the trainer watches the cloud's metadata service for preemption notices
+(:mod:`geotrain.preemption`): on a notice it stops starting micro-steps, leaves the swarm (hivemind
+tells the others it is gone, so they stop counting on its samples) and exits well before the VM goes.
+
 Exit codes: 0 when ``--max-epochs`` was reached or a stop was requested (SIGINT/SIGTERM);
-2 for a bad config; 3 when the swarm could not be joined (port in use, no initial peer answered);
-1 for anything unexpected.
+75 after a preemption notice (start the peer again elsewhere); 2 for a bad config; 3 when the swarm
+could not be joined (port in use, no initial peer answered); 1 for anything unexpected; 143 when a
+stop did not finish within its deadline and the watchdog ended the process.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from geotrain.config import GeotrainConfig
 from geotrain.events import EventLog
+from geotrain.lifecycle import Stopper
 from geotrain.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
@@ -104,6 +110,23 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     )
 
 
+def say_goodbye(dht, optimizer, run_id: str) -> None:
+    """Make sure the swarm stops counting on this peer's samples before its DHT node goes.
+
+    hivemind's tracker publishes an empty progress record on shutdown but does not wait for it; a peer
+    whose DHT node shuts down right after could leave the others waiting for it until the record expires.
+    """
+    from hivemind.utils import get_dht_time
+
+    from geotrain.swarm import progress_key
+
+    try:
+        dht.store(progress_key(run_id), subkey=optimizer.tracker._local_public_key, value=None,
+                  expiration_time=get_dht_time() + optimizer.tracker.metadata_expiration)
+    except Exception as error:  # leaving anyway; the record then expires on its own
+        logger.debug("goodbye record not stored: %s", error)
+
+
 @dataclass
 class EpochTotals:
     """What one peer did during one epoch (or, summed, during the whole run)."""
@@ -151,19 +174,20 @@ class Trainer:
         self.events = events or EventLog(None)
         self.wait_for_peers = wait_for_peers
         self.wait_for_peers_timeout_s = wait_for_peers_timeout_s
-        self.metrics = PeerMetrics(config.swarm.run_id, role="trainer")
+        self.metrics = PeerMetrics(config.swarm.run_id, role="trainer", config=config.metrics)
 
-    def run(self, stop: Event, on_dht_started=None) -> TrainerResult:
+    def run(self, stopper: Stopper) -> TrainerResult:
+        from geotrain.preemption import start_watcher
         from geotrain.swarm import announce_trainer, announced_trainers, start_dht, visible_addresses
         from geotrain.tasks import build_task
 
         config = self.config
+        stop = stopper.stop
         task = build_task(config.task)
         model = task.build_model()
         metrics_port = self.metrics.serve(config.metrics)
+        watcher = start_watcher(config.preemption, lambda notice: self._on_notice(notice, stopper))
         dht = start_dht(config.swarm)
-        if on_dht_started is not None:
-            on_dht_started(dht)
         peer_id = str(dht.peer_id)
         logger.info("joined swarm %r as %s (listening on %s)", config.swarm.run_id, peer_id,
                     ", ".join(visible_addresses(dht)) or "client mode")
@@ -188,16 +212,36 @@ class Trainer:
                 _, agreed = agree_on_final_state(dht, optimizer, model, config.swarm.run_id, optimizer.local_epoch,
                                                  config.swarm.client_mode, config.training.final_agreement_timeout_s)
         finally:
+            watcher.stop()
             optimizer.shutdown()
+            say_goodbye(dht, optimizer, config.swarm.run_id)
             dht.shutdown()
         params_sha256 = parameters_sha256(model)
         result = TrainerResult(peer_id, optimizer.local_epoch, totals, params_sha256, stop.is_set())
+        since_stop_s = stopper.seconds_since_request()
         self.events.write("finished", peer_id=peer_id, epoch=result.epoch, samples=totals.samples,
                           compute_s=totals.compute_s, comm_s=totals.comm_s, params_sha256=params_sha256,
-                          final_state_agreed=agreed, stopped_by_request=result.stopped_by_request)
-        logger.info("left the swarm at epoch %d after %d samples (parameters sha256 %s)",
-                    result.epoch, totals.samples, params_sha256[:16])
+                          final_state_agreed=agreed, stopped_by_request=result.stopped_by_request,
+                          stop_reason=stopper.reason, seconds_since_stop_request=since_stop_s)
+        logger.info("left the swarm at epoch %d after %d samples%s (parameters sha256 %s)",
+                    result.epoch, totals.samples,
+                    f", {since_stop_s:.1f} s after: {stopper.reason}" if since_stop_s is not None else "",
+                    params_sha256[:16])
         return result
+
+    def _on_notice(self, notice, stopper: Stopper) -> None:
+        """A preemption notice: leave within the budget, and before the cloud takes the VM."""
+        from geotrain.preemption import EXIT_PREEMPTED
+
+        budget_s = self.config.preemption.exit_budget_s
+        seconds_left = notice.seconds_left()
+        if seconds_left is not None:
+            budget_s = max(1.0, min(budget_s, seconds_left - 5.0))
+        logger.warning("preemption notice: %s", notice.describe())
+        self.events.write("preemption_notice", cloud=notice.cloud, action=notice.action,
+                          seconds_left=seconds_left, budget_s=budget_s)
+        self.metrics.preemption_notices.inc()
+        stopper.request_stop(f"{notice.cloud} preemption notice", budget_s, exit_code=EXIT_PREEMPTED)
 
     def _wait_for_peers(self, dht, stop: Event, key_reader, what: str) -> None:
         """Block until ``key_reader(dht, run_id)`` lists ``wait_for_peers`` trainers, or the timeout."""

@@ -58,6 +58,10 @@ from geotrain.planner.profiles import ModelProfile
 
 OBJECTIVES = ("cost-per-sample", "throughput")
 TANGENTS = 6
+# Above this many offers (after exact pruning) the candidates are reduced; see reduce_candidates.
+EXACT_OFFER_LIMIT = 150
+CANDIDATES_PER_REGION = 3
+REGIONS_PER_CLASS = 2
 DEFAULT_MAX_PEERS = 16
 
 
@@ -90,6 +94,7 @@ class Plan:
     offers_after_pruning: int
     programs_solved: int
     solve_s: float
+    exact: bool = True  # False when a large catalog was reduced to candidates (reduce_candidates)
 
     @property
     def best(self) -> Prediction:
@@ -224,6 +229,46 @@ def prune_dominated_sites(offers: list[Offer], inputs: Inputs, quotas: dict[str,
     return [o for o in offers if o.site not in dropped]
 
 
+def reduce_candidates(offers: list[Offer], inputs: Inputs) -> list[Offer]:
+    """Large catalogs only (more than EXACT_OFFER_LIMIT offers after the exact pruning): an approximation.
+
+    Each region keeps its CANDIDATES_PER_REGION offers with the lowest $ per sample/s, its fastest
+    spot and fastest on-demand offer, and its cheapest on-demand offer (an anchor); each cloud and
+    continent keeps its REGIONS_PER_CLASS regions with the lowest $ per sample/s. The MILPs are
+    then exact over these candidates. benchmarks/planner_solve_time.py measures how often this
+    changes the answer.
+    """
+    if len(offers) <= EXACT_OFFER_LIMIT:
+        return offers
+    profile, settings = inputs.profile, inputs.settings
+    places = inputs.network.places()
+
+    def ratio(o: Offer) -> float:
+        return o.price_usd_per_hour / peer_rate(profile, o, 1, settings)
+
+    by_site: dict[tuple[str, str], list[Offer]] = defaultdict(list)
+    for offer in offers:
+        by_site[offer.site].append(offer)
+    by_class: dict[tuple, list[tuple[float, tuple[str, str]]]] = defaultdict(list)
+    for site, members in by_site.items():
+        o = members[0]
+        by_class[(o.cloud, o.continent, o.region if o.region in places else "")].append(
+            (min(ratio(m) for m in members), site))
+    kept_sites = {site for ranked in by_class.values() for _, site in sorted(ranked)[:REGIONS_PER_CLASS]}
+    kept: list[Offer] = []
+    for site in sorted(kept_sites):
+        members = sorted(by_site[site], key=ratio)
+        chosen = set(members[:CANDIDATES_PER_REGION])
+        for group in ([m for m in members if m.spot], [m for m in members if not m.spot]):
+            if group:
+                chosen.add(max(group, key=lambda m: peer_rate(profile, m, 1, settings)))
+        on_demand = [m for m in members if not m.spot]
+        if on_demand:
+            chosen.add(min(on_demand, key=lambda m: m.price_usd_per_hour))
+        kept += [m for m in members if m in chosen]
+    return kept
+
+
 class _Context:
     """What every per-n program shares: offers, sites, network classes, prices."""
 
@@ -290,17 +335,35 @@ class _Context:
         inputs = self.inputs
         return evaluate(counts, inputs.profile, inputs.network, inputs.egress, inputs.settings, self.coordinator)
 
+    def _fastest_comm_s(self, n: int) -> float:
+        if n < 2:
+            return 0.0
+        profile = self.inputs.profile
+        links = [*self.same_site_link.values(), *self.class_internal_link.values(), *self.class_pair_link.values()]
+        return profile.round_overhead_s + min(transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+                                              for link in links)
+
+    def could_meet(self, n: int, request: Request) -> bool:
+        """False when n VMs can reach neither the throughput floor nor stay within the budget (no MILP needed)."""
+        profile, settings = self.inputs.profile, self.inputs.settings
+        if request.budget_usd_per_hour is not None and \
+                n * min(o.price_usd_per_hour for o in self.offers) + self.coordinator_usd_per_hour > \
+                request.budget_usd_per_hour * (1 + 1e-9):
+            return False
+        if request.min_samples_per_second is not None:
+            compute = profile.target_batch_size / (n * max(peer_rate(profile, o, n, settings) for o in self.offers))
+            comm = self._fastest_comm_s(n)
+            fastest = profile.target_batch_size / (max(compute, comm) if settings.overlap else compute + comm)
+            if fastest < request.min_samples_per_second * (1 - 1e-9):
+                return False
+        return True
+
     def lower_bound(self, n: int, objective: str) -> float:
         """A bound no configuration of n VMs beats, found without a MILP (orders and prunes the sizes)."""
         profile, overlap = self.inputs.profile, self.inputs.settings.overlap
         tbs = profile.target_batch_size
         rates = [peer_rate(profile, o, n, self.inputs.settings) for o in self.offers]
-        comm = 0.0
-        if n >= 2:
-            links = [*self.same_site_link.values(), *self.class_internal_link.values(),
-                     *self.class_pair_link.values()]
-            comm = profile.round_overhead_s + min(transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
-                                                  for link in links)
+        comm = self._fastest_comm_s(n)
         compute = tbs / (n * max(rates))
         if objective == "throughput":
             return max(compute, comm) if overlap else compute + comm
@@ -596,6 +659,8 @@ def plan(inputs: Inputs, request: Request, objective: str | None = None, top: in
     usable = trainable_offers(allowed, inputs.profile)
     pruned = prune_dominated(usable, inputs.profile, inputs.settings, request.region_quota_gpus)
     pruned = prune_dominated_sites(pruned, inputs, request.region_quota_gpus)
+    exact = len(pruned) <= EXACT_OFFER_LIMIT
+    pruned = reduce_candidates(pruned, inputs)
     context = _Context(pruned, inputs, request, coordinator)
     tbs = inputs.profile.target_batch_size
 
@@ -603,7 +668,8 @@ def plan(inputs: Inputs, request: Request, objective: str | None = None, top: in
         return tbs / p.samples_per_second if objective == "throughput" else p.usd_per_million_samples
 
     found: list[Prediction] = []
-    for bound, n in sorted((context.lower_bound(n, objective), n) for n in range(1, request.max_peers + 1)):
+    sizes = [n for n in range(1, request.max_peers + 1) if context.could_meet(n, request)]
+    for bound, n in sorted((context.lower_bound(n, objective), n) for n in sizes):
         threshold = sorted(value(p) for p in found)[top - 1] if len(found) >= top else INF
         if bound >= threshold * (1 - 1e-9):
             break
@@ -617,7 +683,7 @@ def plan(inputs: Inputs, request: Request, objective: str | None = None, top: in
         raise PlannerError(diagnose(context, request))
     return Plan(candidates=found[:top], coordinator=coordinator, offers_considered=len(usable),
                 offers_after_pruning=len(pruned), programs_solved=context.programs_solved,
-                solve_s=time.perf_counter() - started)
+                solve_s=time.perf_counter() - started, exact=exact)
 
 
 def diagnose(context: _Context, request: Request) -> str:

@@ -86,7 +86,8 @@ class Swarm:
 
     def start_trainer(self, name: str, *arguments: str) -> tuple[subprocess.Popen, Path]:
         events = self.directory / f"{name}.jsonl"
-        command = ["peer", "--events", str(events), "--threads", "1", "--network-profile", "loopback"]
+        command = ["peer", "--events", str(events), "--threads", "1", "--network-profile", "loopback",
+                   "--preemption", "signal"]
         for address in self.initial_peers:
             command += ["--initial-peers", address]
         process = spawn(*command, *arguments, log_path=self.directory / f"{name}.log")
