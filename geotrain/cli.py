@@ -64,8 +64,20 @@ TRAINING_FLAGS = {
 }
 
 
+COORDINATOR_FLAGS = {
+    "--no-state": ("coordinator.hold_state", {"action": "store_const", "const": False,
+                                             "help": "bootstrap only: hold no training state, write no checkpoints"}),
+    "--checkpoint-every-epochs": ("coordinator.checkpoint_every_epochs", {"type": int, "metavar": "N"}),
+    "--checkpoint-every": ("coordinator.checkpoint_every_s", {"type": float, "metavar": "SECONDS"}),
+    "--keep-checkpoints": ("coordinator.keep_checkpoints", {"type": int, "metavar": "K"}),
+    "--mirror-url": ("coordinator.mirror_url", {"metavar": "URL", "help": "mirror checkpoints, e.g. s3://bucket/run"}),
+}
+
+
 def _add_config_flags(parser: argparse.ArgumentParser, table: dict) -> None:
     for flag, (key, options) in table.items():
+        if "action" not in options:
+            options = {"metavar": flag.lstrip("-").upper().replace("-", "_"), **options}
         parser.add_argument(flag, dest=key, default=None, **options)
 
 
@@ -113,11 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="before the first step, wait until N trainers (this one included) are in the swarm")
     peer.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
-    coordinator = commands.add_parser("coordinator", help="run the swarm's bootstrap peer")
+    coordinator = commands.add_parser("coordinator", help="run the swarm's bootstrap peer and durable state")
     _add_common(coordinator)
     _add_config_flags(coordinator, SWARM_FLAGS)
+    _add_config_flags(coordinator, TRAINING_FLAGS)
+    _add_config_flags(coordinator, COORDINATOR_FLAGS)
     coordinator.add_argument("--state-dir", type=Path, default=None,
-                             help="where the identity (and later checkpoints) are kept (default: geotrain-state)")
+                             help="where the identity and the checkpoints are kept (default: geotrain-state)")
     coordinator.add_argument("--initial-peers-file", type=Path, default=None,
                              help="also write the join addresses to this file")
 
@@ -172,7 +186,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     from geotrain.lifecycle import Stopper
 
     port = DEFAULT_PORT if getattr(args, "swarm.port") is None else None
-    config = config_from_args(args, [SWARM_FLAGS], {"swarm.port": port})
+    config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, COORDINATOR_FLAGS], {"swarm.port": port})
     stopper = Stopper().install_signal_handlers()
     Coordinator(config, args.state_dir or DEFAULT_STATE_DIR, args.initial_peers_file).run(stopper.stop)
     return EXIT_OK

@@ -222,6 +222,16 @@ class PreemptionConfig(_Strict):
     azure_metadata_url: str = "http://169.254.169.254"
 
 
+class CoordinatorConfig(_Strict):
+    """The coordinator's durable state: checkpoints of the swarm's training state."""
+
+    hold_state: bool = Field(True, description="Keep the swarm's state and checkpoint it; needs the run's task.")
+    checkpoint_every_epochs: int = Field(10, ge=1, description="Checkpoint when the swarm is this many epochs on.")
+    checkpoint_every_s: float = Field(600.0, gt=0, description="...or this many seconds after the last one.")
+    keep_checkpoints: int = Field(3, ge=1, description="How many checkpoints to keep (locally and mirrored).")
+    mirror_url: str | None = Field(None, description="fsspec URL to mirror checkpoints to, e.g. s3://bucket/run.")
+
+
 class TrainingConfig(_Strict):
     max_epochs: int | None = Field(None, ge=1, description="Stop after this many global epochs; none runs on.")
     data_seed: int | None = Field(None, ge=0, description="Seed of this peer's data order; default from its id.")
@@ -235,6 +245,7 @@ class GeotrainConfig(_Strict):
     task: TaskConfig = Field(default_factory=TaskConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
 
     def to_yaml(self) -> str:

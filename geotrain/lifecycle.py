@@ -8,6 +8,7 @@ at once.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -20,6 +21,20 @@ logger = logging.getLogger(__name__)
 
 STOP_DEADLINE_S = 20.0  # well inside the 30 s a spot VM gets after its soft-off signal (GCE)
 EXIT_CODE_FORCED = 143
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In every process forked from a peer: get SIGTERM when the peer dies, even by SIGKILL.
+
+    Without it, a peer killed hard (OOM killer, ``kill -9``) leaves its DHT node and p2pd running.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 class Stopper:
@@ -37,11 +52,15 @@ class Stopper:
     def install_signal_handlers(self) -> "Stopper":
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle_signal)
+        os.register_at_fork(after_in_child=die_with_parent)
         return self
 
     def _handle_signal(self, signum: int, _frame) -> None:
         if os.getpid() != self._owner_pid:
-            # a process hivemind forked inherited this handler: let the signal do what it normally does
+            # A process hivemind forked (DHT node, averager) inherited this handler. It is being stopped,
+            # typically because its parent died (see die_with_parent): take its own children, such as
+            # p2pd, down with it, then let the signal do what it normally does.
+            kill_descendants(grace_s=1.0)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return

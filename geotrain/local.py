@@ -10,7 +10,6 @@ trainers' event files (``RUN_DIR/peer-<i>.jsonl``) feed the progress display and
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -23,20 +22,12 @@ from pathlib import Path
 
 from geotrain.config import GeotrainConfig
 from geotrain.events import read_events
+from geotrain.lifecycle import die_with_parent
 from geotrain.trainer import write_resolved_config
 
 COORDINATOR_START_TIMEOUT_S = 90.0
 STOP_GRACE_S = 30.0
 POLL_INTERVAL_S = 0.5
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Children get SIGTERM if this process dies, so a killed `geotrain local` leaves no swarm behind."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -78,7 +69,7 @@ class LocalSwarm:
         with open(log_path, "w") as log:
             process = subprocess.Popen([sys.executable, "-m", "geotrain", *arguments], stdout=log,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
-                                       start_new_session=True, preexec_fn=_die_with_parent)
+                                       start_new_session=True, preexec_fn=die_with_parent)
         peer = PeerProcess(name, process, log_path, events_path)
         self.processes.append(peer)
         return peer

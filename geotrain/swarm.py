@@ -147,3 +147,16 @@ def read_progress(dht, run_id: str) -> dict[str, "object"]:
             continue
         progress[str(PeerID(parsed.peer_id))] = parsed
     return progress
+
+
+def best_donor_epoch(dht, run_id: str) -> float:
+    """The highest state-sharing priority announced in the swarm (trainers announce their epoch).
+
+    A coordinator holding a checkpoint announces its epoch here too, which is how trainers that start
+    after every other trainer left find the state to continue from.
+    """
+    record = dht.get(f"{run_id}_state_averager.all_averagers", latest=True)
+    if record is None or not isinstance(record.value, dict):
+        return 0.0
+    priorities = [entry.value for entry in record.value.values() if isinstance(entry.value, (int, float))]
+    return max(priorities, default=0.0)

@@ -204,7 +204,7 @@ class Trainer:
             if self.wait_for_peers > 1:
                 logger.info("waiting for %d trainers to join", self.wait_for_peers)
             self._wait_for_peers(dht, stop, announced_trainers, "joined")
-            self._load_state_if_behind(optimizer, peer_id)
+            self._load_state_if_behind(optimizer, dht, model, peer_id)
             totals = self._train(task, model, optimizer, stop, peer_id, dht)
             if not stop.is_set() and config.training.max_epochs is not None:
                 from geotrain.finalize import agree_on_final_state
@@ -259,17 +259,25 @@ class Trainer:
             logger.warning("only %d of %d trainers %s within %.0f s; training anyway", seen,
                            self.wait_for_peers, what, self.wait_for_peers_timeout_s)
 
-    def _load_state_if_behind(self, optimizer, peer_id: str) -> None:
-        """A peer that joins late downloads parameters and optimizer state before its first step."""
+    def _load_state_if_behind(self, optimizer, dht, model, peer_id: str) -> None:
+        """A peer that joins late downloads parameters and optimizer state before its first step.
+
+        "Late" means behind the trainers' progress, or behind a state donor such as the coordinator,
+        which holds the last checkpoint when no trainer is left.
+        """
+        from geotrain.swarm import best_donor_epoch
+
         optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=self.config.optimizer.matchmaking_time_s)
-        if optimizer.tracker.global_epoch <= optimizer.local_epoch:
+        swarm_epoch = max(optimizer.tracker.global_epoch, int(best_donor_epoch(dht, self.config.swarm.run_id)))
+        if swarm_epoch <= optimizer.local_epoch:
             return
         started = time.perf_counter()
-        logger.info("swarm is at epoch %d; loading its state from peers", optimizer.tracker.global_epoch)
+        logger.info("swarm is at epoch %d; loading its state from peers", swarm_epoch)
         optimizer.load_state_from_peers()
         elapsed_s = time.perf_counter() - started
         self.metrics.state_loads.inc()
-        self.events.write("state_loaded", peer_id=peer_id, epoch=optimizer.local_epoch, seconds=elapsed_s)
+        self.events.write("state_loaded", peer_id=peer_id, epoch=optimizer.local_epoch, seconds=elapsed_s,
+                          params_sha256=parameters_sha256(model))
         logger.info("loaded state of epoch %d in %.1f s", optimizer.local_epoch, elapsed_s)
 
     def _train(self, task, model, optimizer, stop: Event, peer_id: str, dht) -> EpochTotals:

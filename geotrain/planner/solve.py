@@ -61,7 +61,7 @@ TANGENTS = 6
 # Above this many offers (after exact pruning) the candidates are reduced; see reduce_candidates.
 EXACT_OFFER_LIMIT = 150
 CANDIDATES_PER_REGION = 3
-REGIONS_PER_CLASS = 2
+CANDIDATE_REGIONS = 6
 DEFAULT_MAX_PEERS = 16
 
 
@@ -232,11 +232,11 @@ def prune_dominated_sites(offers: list[Offer], inputs: Inputs, quotas: dict[str,
 def reduce_candidates(offers: list[Offer], inputs: Inputs) -> list[Offer]:
     """Large catalogs only (more than EXACT_OFFER_LIMIT offers after the exact pruning): an approximation.
 
-    Each region keeps its CANDIDATES_PER_REGION offers with the lowest $ per sample/s, its fastest
-    spot and fastest on-demand offer, and its cheapest on-demand offer (an anchor); each cloud and
-    continent keeps its REGIONS_PER_CLASS regions with the lowest $ per sample/s. The MILPs are
-    then exact over these candidates. benchmarks/planner_solve_time.py measures how often this
-    changes the answer.
+    Each cloud and continent keeps its region with the lowest $ per sample/s, and of those the
+    CANDIDATE_REGIONS cheapest stay; each kept region keeps its CANDIDATES_PER_REGION offers with the
+    lowest $ per sample/s, its fastest spot and fastest on-demand offer, and its cheapest on-demand
+    offer (an anchor). The MILPs are then exact over these candidates.
+    benchmarks/planner_solve_time.py measures how often this changes the answer.
     """
     if len(offers) <= EXACT_OFFER_LIMIT:
         return offers
@@ -254,7 +254,8 @@ def reduce_candidates(offers: list[Offer], inputs: Inputs) -> list[Offer]:
         o = members[0]
         by_class[(o.cloud, o.continent, o.region if o.region in places else "")].append(
             (min(ratio(m) for m in members), site))
-    kept_sites = {site for ranked in by_class.values() for _, site in sorted(ranked)[:REGIONS_PER_CLASS]}
+    best_per_class = sorted(min(ranked) for ranked in by_class.values())
+    kept_sites = {site for _, site in best_per_class[:CANDIDATE_REGIONS]}
     kept: list[Offer] = []
     for site in sorted(kept_sites):
         members = sorted(by_site[site], key=ratio)
@@ -583,6 +584,20 @@ class _Context:
             share = p.var(0, 1)
             p.row({share: 1.0, x[i]: -rate / r_hi}, lower=0)
             p.row({share: 1.0, x[i]: -rate / r_lo}, upper=0)
+            # With k of the n VMs on this offer its share lies between k r / (k r + (n-k) r_max) (convex
+            # in k) and k r / (k r + (n-k) r_min) (concave in k): tangents at a few k bound it.
+            slowest, fastest = min(rates), max(rates)
+            for k in sorted({1, 2, 4, 8, n // 2, n} - {0}):
+                if k > n:
+                    continue
+                for other, side in ((slowest, "upper"), (fastest, "lower")):
+                    denominator = k * rate + (n - k) * other
+                    value = k * rate / denominator
+                    slope = rate * n * other / denominator ** 2
+                    if side == "upper":
+                        p.row({share: 1.0, x[i]: -slope}, upper=value - slope * k)
+                    else:
+                        p.row({share: 1.0, x[i]: -slope}, lower=value - slope * k)
             shares[share] = tbs * prices[i] / rate
         p.row({v: 1.0 for v in shares}, 1, 1)
         vm_compute = p.var(0, INF)

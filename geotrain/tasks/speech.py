@@ -53,7 +53,6 @@ VOCAB_SIZE = len(CHARACTERS) + 1
 AUDIO_SUFFIXES = (".wav", ".flac")
 
 SYNTHETIC_LETTER_S = 0.1
-SYNTHETIC_GAP_S = 0.05
 SYNTHETIC_LOWEST_PITCH_HZ = 250.0
 SYNTHETIC_HIGHEST_PITCH_HZ = 6000.0
 SYNTHETIC_NOISE_STD = 0.02
@@ -188,8 +187,7 @@ class SpeechTask(Task):
         time_s = torch.arange(letter_samples) / SAMPLE_RATE_HZ
         # a Hann envelope returns to silence between letters, so a repeated letter is heard twice
         tones = torch.sin(2 * math.pi * pitches_hz[:, None] * time_s[None, :]) * torch.hann_window(letter_samples)
-        tones = torch.cat([tones, torch.zeros(len(letters), round(SYNTHETIC_GAP_S * SAMPLE_RATE_HZ))], dim=1)
-        max_letters = int(self.spec.window_s / (SYNTHETIC_LETTER_S + SYNTHETIC_GAP_S))
+        max_letters = int(self.spec.window_s / SYNTHETIC_LETTER_S) - 1
         draws = torch.Generator().manual_seed(data_seed)
         while True:
             count = int(torch.randint(max(1, max_letters // 3), max_letters + 1, (1,), generator=draws))

@@ -75,10 +75,11 @@ class Swarm:
         self.processes: list[subprocess.Popen] = []
         self.initial_peers: list[str] = []
 
-    def start_coordinator(self) -> list[str]:
+    def start_coordinator(self, *arguments: str) -> list[str]:
+        """A bootstrap-only coordinator unless ``arguments`` say otherwise (durable state has its own tests)."""
         peers_file = self.directory / "initial_peers.txt"
         self.processes.append(spawn("coordinator", "--port", "0", "--state-dir", str(self.directory / "coord"),
-                                    "--initial-peers-file", str(peers_file),
+                                    "--initial-peers-file", str(peers_file), *(arguments or ("--no-state",)),
                                     log_path=self.directory / "coordinator.log"))
         wait_for(peers_file.exists, 90, "the coordinator's address")
         self.initial_peers = peers_file.read_text().split()

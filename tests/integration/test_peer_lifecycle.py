@@ -60,3 +60,26 @@ def test_sigterm_stops_a_trainer_within_30_s_and_leaves_no_process(swarm):
     time.sleep(0.5)
     survivors = [pid for pid in children if alive(pid)]
     assert not survivors, f"processes outlived the trainer: {survivors}"
+
+
+def test_sigkill_of_one_of_three_trainers_mid_round_the_others_go_on(swarm):
+    swarm.start_coordinator()
+    trainers = [swarm.start_trainer(name, *FAST_SWARM, "--wait-for-peers", "3", "--data-seed", str(index + 1))
+                for index, name in enumerate(("a", "b", "victim"))]
+    victim, victim_events = trainers[2]
+    wait_for(lambda: last_epoch(victim_events) >= 2, 180, "three trainers training together")
+
+    # Aim the kill at the next averaging round: it starts when the swarm reaches the target batch,
+    # near the end of an epoch.
+    epochs = [e for e in read_events(victim_events) if e["event"] == "epoch"]
+    period_s = epochs[-1]["time"] - epochs[-2]["time"]
+    time.sleep(max(0.0, epochs[-1]["time"] + 0.85 * period_s - time.time()))
+    children = descendants(victim.pid)
+    epoch_at_kill = max(last_epoch(events) for _, events in trainers[:2])
+    victim.send_signal(signal.SIGKILL)  # the peer alone, as the OOM killer would: its children must follow
+    victim.wait()
+
+    wait_for(lambda: all(last_epoch(events) >= epoch_at_kill + 2 for _, events in trainers[:2]), 180,
+             "the two remaining trainers to complete their next epochs")
+    wait_for(lambda: not [pid for pid in children if alive(pid)], 15,
+             "the killed trainer's DHT node and p2pd to exit")

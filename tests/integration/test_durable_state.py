@@ -1,0 +1,84 @@
+"""The coordinator's durable state, with real processes: checkpoints, a crash while writing one, a
+coordinator that is down while trainers go on, and a swarm that lost every trainer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from geotrain.checkpoint import CheckpointStore
+from geotrain.config import TaskConfig
+from geotrain.events import read_events
+from geotrain.tasks import build_task
+from geotrain.trainer import parameters_sha256
+from swarm_helpers import FAST_SWARM, last_epoch, wait_for
+
+CRASH_EXIT_CODE = 86  # geotrain.checkpoint's injected crash between write and rename
+
+
+def start_coordinator(swarm, name: str, port: int | None = None, crash: bool = False) -> subprocess.Popen:
+    peers_file = swarm.directory / f"{name}-peers.txt"
+    command = [sys.executable, "-m", "geotrain", "coordinator", "--state-dir", str(swarm.directory / "coord"),
+               "--initial-peers-file", str(peers_file), "--port", str(port or 0), *FAST_SWARM,
+               "--network-profile", "loopback", "--checkpoint-every-epochs", "2"]
+    environment = dict(os.environ, GEOTRAIN_CRASH_BEFORE_RENAME="1" if crash else "")
+    with open(swarm.directory / f"{name}.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
+                                   start_new_session=True, stdin=subprocess.DEVNULL)
+    swarm.processes.append(process)
+    wait_for(peers_file.exists, 90, f"{name} to come up")
+    swarm.initial_peers = peers_file.read_text().split()
+    return process
+
+
+def checkpoint_parameters_sha256(store: CheckpointStore) -> tuple[int, str]:
+    state, info = store.load_latest()
+    model = build_task(TaskConfig(name="cv", preset="tiny")).build_model()
+    model.load_state_dict(state["model"])
+    return info.epoch, parameters_sha256(model)
+
+
+def test_checkpoints_survive_a_crash_and_a_swarm_that_lost_every_trainer(swarm):
+    store_dir = swarm.directory / "coord" / "checkpoints"
+    coordinator = start_coordinator(swarm, "coordinator-1")
+    port = int(swarm.initial_peers[0].split("/tcp/")[1].split("/")[0])
+    first, first_events = swarm.start_trainer("a", *FAST_SWARM, "--wait-for-peers", "2", "--data-seed", "1")
+    second, _ = swarm.start_trainer("b", *FAST_SWARM, "--wait-for-peers", "2", "--data-seed", "2")
+    wait_for(lambda: CheckpointStore(store_dir).list(), 180, "the first checkpoint")
+    first_checkpoint = CheckpointStore(store_dir).list()[0]
+
+    # The coordinator goes down; trainers go on. It comes back with a crash injected into its next save.
+    coordinator.send_signal(signal.SIGTERM)
+    coordinator.wait(timeout=40)
+    epoch_while_down = last_epoch(first_events)
+    crashing = start_coordinator(swarm, "coordinator-2", port=port, crash=True)
+    crashing.wait(timeout=180)
+    assert crashing.returncode == CRASH_EXIT_CODE, swarm.log("coordinator-2")[-3000:]
+    assert last_epoch(first_events) > epoch_while_down, "trainers stopped while the coordinator was down"
+    assert CheckpointStore(store_dir).list()[0].version == first_checkpoint.version, "a half-written checkpoint"
+
+    # Restarted again: it restores the last good checkpoint and catches up with the swarm.
+    start_coordinator(swarm, "coordinator-3", port=port)
+    wait_for(lambda: f"restored checkpoint version {first_checkpoint.version}" in swarm.log("coordinator-3"), 60,
+             "the restore of the last good checkpoint")
+    wait_for(lambda: CheckpointStore(store_dir).list()[0].version > first_checkpoint.version, 180,
+             "a checkpoint after the restart")
+
+    # Every trainer is lost at once (their VMs vanish: SIGKILL to all their processes).
+    for process in (first, second):
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    epoch, expected_sha256 = checkpoint_parameters_sha256(CheckpointStore(store_dir))
+
+    # Two new trainers continue from the coordinator's state.
+    newcomers = [swarm.start_trainer(name, *FAST_SWARM, "--wait-for-peers", "2", "--data-seed", seed)
+                 for name, seed in (("c", "3"), ("d", "4"))]
+    for _, events in newcomers:
+        loaded = wait_for(lambda: [e for e in read_events(events) if e["event"] == "state_loaded"], 120,
+                          "a newcomer to load the coordinator's state")[0]
+        assert loaded["epoch"] >= epoch
+        assert loaded["params_sha256"] == expected_sha256, "the newcomer did not start from the checkpoint"
+    wait_for(lambda: all(last_epoch(events) > epoch for _, events in newcomers), 120,
+             "the new trainers to train past the checkpoint")
