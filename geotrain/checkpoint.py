@@ -16,7 +16,8 @@ What a caller can rely on:
   (``checkpoint-000007.pt``) under a temporary name, fsyncs it, renames it into place and fsyncs the
   directory; only then does it write the manifest (``checkpoint-000007.json``) the same way. A VM killed
   at any moment leaves either the previous checkpoints or the new one, never a half checkpoint that looks
-  whole. Temporary files and data files without a manifest are removed when the next store starts.
+  whole. Temporary files and data files without a manifest are ignored by every reader and removed by the
+  next store's first save.
 - **Every load is verified.** The manifest records the data file's size and sha256; ``load_latest`` walks
   the manifests newest first and skips, with a warning that names the file and the reason, any whose data
   file is missing, truncated, corrupt or unreadable, or whose manifest is not valid JSON.
@@ -38,8 +39,11 @@ Pass credentials and a custom endpoint (MinIO, Ceph, R2, a test server) through 
 ``{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}, "key": ..., "secret": ...}``; without them
 s3fs finds credentials the way boto3 does (environment, ``~/.aws``, the instance's role).
 
-One store writes to a directory (and a mirror URL) at a time: the coordinator. Version numbers continue
-from the highest found locally or on the mirror, so a coordinator restarted on a new VM never reuses one.
+One store writes to a directory (and a mirror URL) at a time: the coordinator. Any number of other stores
+may read the same directory meanwhile (``list``, ``load_latest``, e.g. a test or an operator's script): a
+store changes files only when it saves, or when it restores into an empty directory from the mirror.
+Version numbers continue from the highest found locally or on the mirror, so a coordinator restarted on a
+new VM never reuses one.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ class CheckpointInfo:
     size_bytes: int
     created_unix_s: float
     config_sha256: str  # of the config YAML text the checkpoint belongs to
-    path: str  # where the data file is: a local path, or a URL for a manifest read from the mirror
+    path: str  # the data file on the local disk (one restored from the mirror is downloaded there first)
 
 
 class CheckpointError(RuntimeError):
@@ -241,10 +245,10 @@ class CheckpointStore:
         # the highest version seen on the mirror, so that a store on a fresh disk never reuses a number
         self._mirror_highest_version: int | None = None
         self._mirror_numbering_asked = False
+        self._leftovers_removed = False
         if self.mirror_url:
             self._mirror_fs, self._mirror_root = self._open_mirror(self.mirror_url, storage_options or {})
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._remove_leftovers()
 
     @staticmethod
     def _open_mirror(url: str, storage_options: dict):
@@ -260,7 +264,8 @@ class CheckpointStore:
 
     def _remove_leftovers(self) -> None:
         """A crash mid-save leaves temporaries, or a data file whose manifest was never written: neither is a
-        checkpoint, and a data file left behind would otherwise hold its version number's disk space forever."""
+        checkpoint, and left behind they would hold disk space forever. Only the writer may do this, at its
+        first save: a store that merely reads could otherwise delete the files of a save in progress."""
         manifest_versions = self._local_versions()
         for path in self.directory.iterdir():
             data_match = _DATA_NAME.match(path.name)
@@ -286,6 +291,9 @@ class CheckpointStore:
         if epoch < 0 or samples_seen < 0:
             raise ValueError(f"epoch and samples_seen must be >= 0, got epoch={epoch}, samples_seen={samples_seen}")
         _check_loadable(state)
+        if not self._leftovers_removed:
+            self._remove_leftovers()
+            self._leftovers_removed = True
         if self._mirror_fs is not None and not self._mirror_numbering_asked:
             # once per store, so that a fresh disk continues the mirror's numbering; not on every save, since
             # a mirror that is down would delay each local write by its timeouts
@@ -334,16 +342,23 @@ class CheckpointStore:
     def _url(self, name: str) -> str:
         return f"{self.mirror_url}/{name}"
 
-    def _mirror_versions(self) -> list[int]:
-        """Versions with a manifest on the mirror, newest first; raises what the filesystem raises."""
+    def _mirror_listing(self) -> tuple[list[int], list[int]]:
+        """Versions with a manifest, and versions with a data object, on the mirror, newest first."""
         filesystem = self._mirror_fs
         filesystem.invalidate_cache(self._mirror_root)  # another coordinator may have written since we looked
         try:
-            entries = filesystem.ls(self._mirror_root, detail=False)
+            names = [posixpath.basename(entry.rstrip("/")) for entry in filesystem.ls(self._mirror_root, detail=False)]
         except FileNotFoundError:
-            entries = []  # nothing uploaded under this prefix yet
-        versions = sorted((int(match.group(1)) for entry in entries
-                           if (match := _MANIFEST_NAME.match(posixpath.basename(entry.rstrip("/"))))), reverse=True)
+            names = []  # nothing uploaded under this prefix yet
+        manifest_versions = sorted((int(match.group(1)) for name in names if (match := _MANIFEST_NAME.match(name))),
+                                   reverse=True)
+        data_versions = sorted((int(match.group(1)) for name in names if (match := _DATA_NAME.match(name))),
+                               reverse=True)
+        return manifest_versions, data_versions
+
+    def _mirror_versions(self) -> list[int]:
+        """Versions with a manifest on the mirror, newest first; raises what the filesystem raises."""
+        versions, _ = self._mirror_listing()
         if versions:
             self._mirror_highest_version = max(versions[0], self._mirror_highest_version or 0)
         elif self._mirror_highest_version is None:
@@ -381,12 +396,15 @@ class CheckpointStore:
             # uploaded last: object stores have no rename, so the manifest's existence is the commit
             filesystem.pipe_file(self._remote(manifest_file_name), manifest_bytes)
             logger.info("checkpoint %d mirrored to %s", info.version, self._url(data_name))
-            for version in self._mirror_versions()[self.keep:]:
+            manifest_versions, data_versions = self._mirror_listing()
+            kept = set(manifest_versions[:self.keep])
+            for version in manifest_versions[self.keep:]:
+                # the manifest goes first: a manifest must never point to a data object that is gone
                 filesystem.rm(self._remote(manifest_name(version)))
-                try:
+            for version in data_versions:
+                # also the data objects of uploads that failed before their manifest, older than ours
+                if version not in kept and version < info.version:
                     filesystem.rm(self._remote(data_file_name(version)))
-                except FileNotFoundError:
-                    pass
         except Exception as error:  # any driver error: the mirror is a second copy, the local one is safe
             logger.error("could not mirror checkpoint %d to %s (%s: %s); the local copy %s is intact and the next "
                          "save uploads again; check the bucket, the credentials and the network",
@@ -441,8 +459,9 @@ class CheckpointStore:
         try:
             state = torch.load(data_path, map_location=map_location, weights_only=True)
         except Exception as error:  # torch raises many types for a damaged or foreign file
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            raise CheckpointError(f"{data_path}: cannot be deserialized ({type(error).__name__}: {first_line})") from None
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            raise CheckpointError(f"{data_path}: cannot be deserialized "
+                                  f"({type(error).__name__}: {first_line})") from None
         if not isinstance(state, dict):
             raise CheckpointError(f"{data_path}: holds a {type(state).__qualname__}, expected a dict")
         return state

@@ -142,13 +142,13 @@ class Coordinator:
         self.initial_peers_file = initial_peers_file
 
     def run(self, stop: Event) -> None:
-        from geotrain.swarm import start_dht, visible_addresses
+        from geotrain.swarm import visible_addresses
 
         swarm = self.config.swarm
         if swarm.identity_path is None:
             swarm = swarm.model_copy(update={"identity_path": self.state_dir / "identity.key"})
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        dht = start_dht(swarm)
+        dht = self._rejoin_or_start(swarm)
         durable = None
         try:
             if self.config.coordinator.hold_state:
@@ -161,6 +161,7 @@ class Coordinator:
                 if (swarm_epoch, trainers) != last_status:
                     logger.info("swarm %r: epoch %d, %d trainers", swarm.run_id, swarm_epoch, trainers)
                     last_status = (swarm_epoch, trainers)
+                    self._remember_peers(dht)
                 if durable is not None and trainers:
                     durable.follow(swarm_epoch)
         finally:
@@ -168,6 +169,33 @@ class Coordinator:
                 durable.shutdown()
             dht.shutdown()
         logger.info("coordinator stopped")
+
+    @property
+    def _known_peers_path(self) -> Path:
+        return self.state_dir / "known_peers.txt"
+
+    def _remember_peers(self, dht) -> None:
+        """Keep the trainers' addresses: a restarted coordinator dials them to find its swarm again."""
+        from geotrain.swarm import connected_peer_addresses
+
+        addresses = connected_peer_addresses(dht)
+        if addresses:
+            temporary = self._known_peers_path.with_suffix(".tmp")
+            temporary.write_text("\n".join(addresses) + "\n")
+            temporary.rename(self._known_peers_path)
+
+    def _rejoin_or_start(self, swarm):
+        """After a restart the trainers do not dial the coordinator again: it dials the peers it knew."""
+        from geotrain.swarm import SwarmJoinError, start_dht
+
+        known = self._known_peers_path.read_text().split() if self._known_peers_path.exists() else []
+        if known:
+            try:
+                return start_dht(swarm.model_copy(update={"initial_peers": swarm.initial_peers + known}))
+            except SwarmJoinError:
+                logger.info("none of the %d peers seen before the restart answered; waiting for new ones",
+                            len(known))
+        return start_dht(swarm)
 
     def _announce(self, visible: list[str], announce_host: str | None) -> None:
         addresses = public_addresses(visible, announce_host)

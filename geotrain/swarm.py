@@ -160,3 +160,14 @@ def best_donor_epoch(dht, run_id: str) -> float:
         return 0.0
     priorities = [entry.value for entry in record.value.values() if isinstance(entry.value, (int, float))]
     return max(priorities, default=0.0)
+
+
+async def _connected_peer_addresses(_dht, node) -> list[str]:
+    peers = await node.p2p.list_peers()
+    return sorted({f"{address}/p2p/{info.peer_id}" for info in peers for address in info.addrs
+                   if str(address).startswith("/ip4/") and "/tcp/" in str(address)})
+
+
+def connected_peer_addresses(dht) -> list[str]:
+    """Full multiaddrs of the peers this node is connected to (libp2p dials from its listen port)."""
+    return dht.run_coroutine(_connected_peer_addresses)

@@ -138,8 +138,10 @@ def _plan(args: argparse.Namespace) -> int:
           f"objective {args.objective}, samples/s {mode}; {coordinator}.")
     print(format_table(result.candidates, args.train_samples))
     print(why_best(result, request, args.objective))
+    reduced = "" if result.exact else (" (a large catalog: reduced to candidate offers first, an approximation; "
+                                       "see geotrain.planner.solve.reduce_candidates)")
     print(f"Solved {result.programs_solved} MILPs over {result.offers_after_pruning} of {result.offers_considered} "
-          f"offers in {result.solve_s:.2f} s.")
+          f"offers in {result.solve_s:.2f} s{reduced}.")
     if args.json:
         write_json(args.json, plan_json(result, request, args.objective, profile.name, args.train_samples))
         print(f"Wrote {args.json}")

@@ -68,7 +68,7 @@ class EgressPrices:
 
     def check_clouds(self, clouds: set[str]) -> None:
         """Fail early, naming the cloud, when the catalog has a cloud that the price file lacks."""
-        known = {cloud for cloud, _, _ in self.prices}
+        known = {cloud for cloud, kind, _ in self.prices if kind != "data_loading"}
         missing = sorted(clouds - known)
         if missing and "*" not in known:
             raise PlannerError(f"{self.path or 'egress prices'}: no egress prices for cloud(s) {', '.join(missing)} "

@@ -36,7 +36,7 @@ def format_table(candidates: list[Prediction], train_samples: float | None = Non
 
 
 def _percent(a: float, b: float) -> str:
-    return f"{abs(a / b - 1) * 100:.1f}%"
+    return f"{abs(a / b - 1) * 100:.2g}%"
 
 
 def why_best(plan: Plan, request: Request, objective: str) -> str:
@@ -71,7 +71,11 @@ def why_best(plan: Plan, request: Request, objective: str) -> str:
                           f"{best.compute_s_per_round:.0f} s compute per {best.comm_s_per_round:.0f} s averaging")
             else:
                 detail = (f"{compute_value:.0f} samples/s per compute dollar against {runner_value:.0f}")
-            reasons.append(f"the runner-up ({_vms(runner)}) costs {gap} more per sample; {detail}")
+            if runner.usd_per_million_samples < best.usd_per_million_samples * 1.005:
+                reasons.append(f"the runner-up ({_vms(runner)}) is a near tie ({gap} dearer per sample): "
+                               f"it reaches {runner.samples_per_second:.1f} samples/s for ${runner.usd_per_hour:.2f}/h")
+            else:
+                reasons.append(f"the runner-up ({_vms(runner)}) costs {gap} more per sample; {detail}")
     if best.bottleneck and best.peers > 1:
         reasons.append(f"slowest link {best.bottleneck}")
     return "Why #1: " + "; ".join(reasons) + "."
@@ -91,7 +95,7 @@ def plan_json(plan: Plan, request: Request, objective: str, profile_name: str,
         "coordinator": plan.coordinator.name if plan.coordinator else None,
         "candidates": [p.to_dict(train_samples) for p in plan.candidates],
         "solver": {"offers_considered": plan.offers_considered, "offers_after_pruning": plan.offers_after_pruning,
-                   "programs_solved": plan.programs_solved, "solve_s": plan.solve_s},
+                   "programs_solved": plan.programs_solved, "solve_s": plan.solve_s, "exact": plan.exact},
     }
 
 

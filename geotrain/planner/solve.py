@@ -1,44 +1,49 @@
-"""Choosing which VMs to rent: one mixed-integer program per swarm size, solved with HiGHS.
+"""Choosing which VMs to rent: mixed-integer programs per swarm size, solved with HiGHS.
 
 What is optimised
-    ``cost-per-sample``: the lowest $ per sample, under an optional budget ($/h, VMs + coordinator
-    + egress + data) and an optional minimum throughput; ``throughput``: the most samples/s under
-    the budget (ties broken by $ per sample). Constraints: at most ``max_peers`` training VMs,
-    GPUs per region (quotas), allowed clouds/regions/continents, and an on-demand anchor for
-    durable state (a separate coordinator VM, or at least one on-demand training VM).
+    ``cost-per-sample``: the lowest $ per sample, under an optional budget ($/h: VMs, coordinator,
+    egress, data) and an optional minimum throughput; ``throughput``: the most samples/s within the
+    budget. Constraints: at most ``max_peers`` training VMs, GPUs per region (quotas), allowed
+    clouds/regions/continents, and an on-demand anchor for durable state (a separate coordinator
+    VM, or at least one on-demand training VM).
 
-How the non-linear parts become a MILP (the approximation, documented)
-    Throughput ``TBS / (T_calc + T_comm)`` is not linear in the VM counts, and cost per sample is a
-    ratio. Three devices make the program linear; all are exact for the model in
-    :mod:`geotrain.planner.model` except the last, which is exact to a stated precision:
+How the non-linear model becomes MILPs (see README, "Planning which VMs to rent")
+    Throughput ``TBS / (T_calc + T_comm)`` is not linear in the VM counts, cost per sample is a
+    ratio, and egress is quadratic (every pair of peers talks). Three devices handle that:
 
-    1. *Enumerated swarm size.* One MILP per peer count ``n = 1..max_peers`` (n = 1 is enumerated
+    1. *Enumerated swarm size.* One search per peer count ``n = 1..max_peers`` (n = 1 is evaluated
        directly: a lone VM has no all-reduce). With n fixed, the bytes each pair exchanges per round
-       (``2 M / n``), the time of every link and the hivemind efficiency are constants.
-    2. *Network level as a one-hot choice.* ``T_comm`` is the overhead plus the slowest link in use.
-       The distinct link times (same site, two regions of one cloud and continent, two classes) are
-       levels; binaries pick one, and a level below a pair's time forbids using both ends of that
-       pair. Egress is quadratic in the VM counts (every pair of peers talks): each site's count is
-       written in binary, and ``count x (price-weighted peers elsewhere)`` is linearised exactly
-       with one continuous variable per bit.
-    3. *Compute time on a grid.* ``T_calc = TBS / R`` with ``R`` the summed peer rates: ``T_calc``
-       is encoded with 14 bits between its extremes for this n, so the products ``cost x T_calc``
-       and ``T_calc x R`` linearise exactly at grid points. The grid rounds ``T_calc`` up by at most
-       ``(T_max - T_min) / 16383`` (about 0.03% for the shipped catalog); the chosen configurations
-       are then evaluated with the exact model, and that is what is reported and ranked.
+       (``2 M / n``), every link's time and the hivemind efficiency are constants.
+    2. *Exact linearisations.* ``T_comm`` is the overhead plus the slowest link in use: the distinct
+       link times are levels, one binary per level, and a level below a pair's time forbids using
+       both ends of that pair. ``cost x T_comm`` is split over the levels. Egress, ``sum over sites
+       of count x (price-weighted peers elsewhere)``, is linearised by writing each site's count in
+       binary (one continuous variable per bit).
+    3. *Branch and bound over compute time.* ``cost x T_calc`` with ``T_calc = TBS / R`` is the
+       remaining non-linearity. A node is an interval [a, b] of ``T_calc``; its MILP bounds R to
+       [TBS/b, TBS/a] and minimises a linear lower bound of the objective: ``cost x T_calc`` is
+       ``TBS x sum(price/rate x throughput share)`` with each share bounded by the node's R interval.
+       The MILP's configuration is evaluated with the exact model (:func:`model.evaluate`) and the
+       node is split at its ``T_calc``, where the bound becomes exact; nodes whose bound cannot beat
+       the best configuration found are dropped (HiGHS gets that bound as a constraint).
 
-    The answer is therefore the model's optimum up to that grid rounding: the unit tests check it
-    against a brute-force search over every configuration of small catalogs.
+    The result is the exact optimum of the model, up to a relative tolerance of 1e-6 on compute
+    time; the unit tests check it against brute-force search over every configuration of small
+    catalogs. Sizes are visited in order of a closed-form bound, with n VMs of one offer as quick
+    incumbents, and sizes that cannot enter the top ``top`` are skipped.
 
-Why not one MILP over all n, or Dinkelbach iterations: with n free, ``2 M / n`` multiplies every
-egress term and link time (a product of binaries and quadratics per n); Dinkelbach handles a
-ratio of linear terms, but cost per sample is ``cost x (TBS/R + T_comm) + egress``, a ratio plus
-quadratic terms. Enumerating n costs ``max_peers`` small MILPs and also yields the best
-configuration of every swarm size, which is what the table and the frontier plot show.
+Pruning
+    Exact: within a region, an offer is dropped when another is at least as fast after
+    interruptions, no dearer, needs no more GPUs of a quota, and is on demand whenever it is; a whole
+    region is dropped when another region of the same cloud and continent covers all its offers.
+    Approximate, only above EXACT_OFFER_LIMIT offers: :func:`reduce_candidates` (the plan then says
+    so, and the benchmark measures how often it changes the answer).
 
-Exact pruning keeps the programs small: within one site an offer is dropped when another offer
-there is at least as fast (after interruptions), no dearer, needs no more GPUs of the quota and is
-on demand whenever it is.
+Why not one MILP over all n, Dinkelbach, or a grid: with n free, ``2 M / n`` multiplies every egress
+term and link time; Dinkelbach handles a ratio of linear terms, but cost per sample is ``cost x
+(TBS/R + T_comm) + egress``; a binary-encoded ``T_calc`` grid was tried and gave weak relaxations
+(about 1 s per program). Enumerating n also yields the best configuration of every size, which the
+table and the frontier plot show.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from geotrain.planner.profiles import ModelProfile
 OBJECTIVES = ("cost-per-sample", "throughput")
 TANGENTS = 6
 # Above this many offers (after exact pruning) the candidates are reduced; see reduce_candidates.
-EXACT_OFFER_LIMIT = 150
+EXACT_OFFER_LIMIT = 100
 CANDIDATES_PER_REGION = 3
 CANDIDATE_REGIONS = 6
 DEFAULT_MAX_PEERS = 16
@@ -375,35 +380,55 @@ class _Context:
         vm = max(cost_compute, cost_comm) if overlap else cost_compute + cost_comm
         return (vm / 3600 + self.data_usd_per_round) / tbs * 1e6
 
+    def value(self, prediction: Prediction, objective: str) -> float:
+        """The number the objective minimises: round time for throughput, $ per 1M samples otherwise."""
+        if objective == "throughput":
+            return self.inputs.profile.target_batch_size / prediction.samples_per_second
+        return prediction.usd_per_million_samples
+
+    def homogeneous(self, n: int, objective: str, request: Request) -> dict[Offer, int] | None:
+        """The best configuration of n VMs of one offer: a quick incumbent that lets the MILPs prune."""
+        best, best_key = None, None
+        key = ranking_key(objective)
+        quotas = request.region_quota_gpus
+        for offer in self.offers:
+            if n > 1 and offer.region in quotas and n * offer.gpu_count > quotas[offer.region]:
+                continue
+            if self.inputs.settings.anchor == "trainer" and offer.spot:
+                continue
+            prediction = self.evaluate({offer: n})
+            if satisfies(prediction, request) and (best_key is None or key(prediction) < best_key):
+                best, best_key = {offer: n}, key(prediction)
+        return best
+
     def solve(self, n: int, objective: str, budget: float | None, min_sps: float | None,
-              threshold: float = INF) -> dict[Offer, int] | None:
+              threshold: float = INF, start: dict[Offer, int] | None = None) -> dict[Offer, int] | None:
         """The best configuration of exactly n VMs, or None if none meets the constraints (or beats threshold).
 
         Branch and bound over the compute time per round ``T_calc = TBS / R``: a node is an interval
         [a, b] of it; its MILP bounds R to [TBS/b, TBS/a] and minimises a linear lower bound of the
         objective that is exact at T_calc = a. The configuration it returns is evaluated exactly;
         the node is split at that configuration's own T_calc, so the bound becomes exact there.
+        ``start`` is a known configuration of n VMs (an incumbent to prune with).
         """
         if n == 1:
             return self.single_vm(objective, budget, min_sps)
         key = ranking_key(objective)
-        value = (lambda p: p.samples_per_second and self.inputs.profile.target_batch_size / p.samples_per_second) \
-            if objective == "throughput" else (lambda p: p.usd_per_million_samples)
         request = Request(budget_usd_per_hour=budget, min_samples_per_second=min_sps)
         profile, settings = self.inputs.profile, self.inputs.settings
         rates = [peer_rate(profile, o, n, settings) for o in self.offers]
         tbs = profile.target_batch_size
-        root = (tbs / (n * max(rates)), tbs / (n * min(rates)))
-        best: tuple | None = None
-        best_counts = None
-        nodes = [(-INF, root)]
+        best, best_counts = None, None
+        if start:
+            best, best_counts = self.evaluate(start), start
+        nodes = [(-INF, (tbs / (n * max(rates)), tbs / (n * min(rates))))]
         while nodes:
             nodes.sort(key=lambda item: item[0])
             bound, (a, b) = nodes.pop(0)
-            incumbent = min(threshold, value(best) if best else INF)
+            incumbent = min(threshold, self.value(best, objective) if best else INF)
             if bound >= incumbent * (1 - 1e-7):
                 break
-            solved = self._solve_node(n, objective, budget, min_sps, a, b)
+            solved = self._solve_node(n, objective, budget, min_sps, a, b, incumbent)
             if solved is None:
                 continue
             counts, node_bound = solved
@@ -413,28 +438,30 @@ class _Context:
             feasible = satisfies(prediction, request, tolerance=1e-9)
             if feasible and (best is None or key(prediction) < key(best)):
                 best, best_counts = prediction, counts
-                if node_bound >= value(best) * (1 - 1e-7):
+                if node_bound >= self.value(best, objective) * (1 - 1e-7):
                     continue
             omega = prediction.compute_s_per_round
-            width_ok = (b - a) > 1e-7 * b
             if feasible and a < omega <= b:
-                if omega > a:
-                    nodes.append((node_bound, (a, omega * (1 - 1e-6))))
+                nodes.append((node_bound, (a, omega * (1 - 1e-6))))
                 nodes.append((node_bound, (omega, b)))
-            elif width_ok:
+            elif (b - a) > 1e-7 * b:
                 middle = (a + b) / 2
                 nodes.append((node_bound, (a, middle)))
                 nodes.append((node_bound, (middle, b)))
-        if best is None or value(best) >= threshold * (1 - 1e-9):
+        if best is None or self.value(best, objective) >= threshold * (1 - 1e-9):
             return None
         return best_counts
 
     def _solve_node(self, n: int, objective: str, budget: float | None, min_sps: float | None,
-                    a: float, b: float) -> tuple[dict[Offer, int], float] | None:
+                    a: float, b: float, cutoff: float = INF) -> tuple[dict[Offer, int], float] | None:
         built = self._build(n, objective, budget, min_sps, a, b)
         if built is None:
             return None
         program, x, bound_terms, constant = built
+        if cutoff < INF:
+            # Only configurations whose bound beats the incumbent are of interest: say so to HiGHS.
+            scale = 1.0 if objective == "throughput" else 3600 * self.inputs.profile.target_batch_size / 1e6
+            program.row(dict(bound_terms), upper=cutoff * scale - constant)
         self.programs_solved += 1
         values = program.solve()
         if values is None:
@@ -584,20 +611,6 @@ class _Context:
             share = p.var(0, 1)
             p.row({share: 1.0, x[i]: -rate / r_hi}, lower=0)
             p.row({share: 1.0, x[i]: -rate / r_lo}, upper=0)
-            # With k of the n VMs on this offer its share lies between k r / (k r + (n-k) r_max) (convex
-            # in k) and k r / (k r + (n-k) r_min) (concave in k): tangents at a few k bound it.
-            slowest, fastest = min(rates), max(rates)
-            for k in sorted({1, 2, 4, 8, n // 2, n} - {0}):
-                if k > n:
-                    continue
-                for other, side in ((slowest, "upper"), (fastest, "lower")):
-                    denominator = k * rate + (n - k) * other
-                    value = k * rate / denominator
-                    slope = rate * n * other / denominator ** 2
-                    if side == "upper":
-                        p.row({share: 1.0, x[i]: -slope}, upper=value - slope * k)
-                    else:
-                        p.row({share: 1.0, x[i]: -slope}, lower=value - slope * k)
             shares[share] = tbs * prices[i] / rate
         p.row({v: 1.0 for v in shares}, 1, 1)
         vm_compute = p.var(0, INF)
@@ -677,22 +690,28 @@ def plan(inputs: Inputs, request: Request, objective: str | None = None, top: in
     exact = len(pruned) <= EXACT_OFFER_LIMIT
     pruned = reduce_candidates(pruned, inputs)
     context = _Context(pruned, inputs, request, coordinator)
-    tbs = inputs.profile.target_batch_size
-
-    def value(p: Prediction) -> float:
-        return tbs / p.samples_per_second if objective == "throughput" else p.usd_per_million_samples
-
     found: list[Prediction] = []
     sizes = [n for n in range(1, request.max_peers + 1) if context.could_meet(n, request)]
+    # Quick incumbents (n VMs of one offer) give every size a start and the top-k a first threshold:
+    # the k-th best of the sizes' known values bounds the k-th best size from above.
+    starts = {n: context.homogeneous(n, objective, request) for n in sizes if n > 1}
+    known = {n: context.value(context.evaluate(c), objective) for n, c in starts.items() if c}
     for bound, n in sorted((context.lower_bound(n, objective), n) for n in sizes):
-        threshold = sorted(value(p) for p in found)[top - 1] if len(found) >= top else INF
+        own = known.pop(n, None)
+        others = sorted(known.values())
+        threshold = others[top - 1] if len(others) >= top else INF
         if bound >= threshold * (1 - 1e-9):
-            break
-        counts = context.solve(n, objective, request.budget_usd_per_hour, request.min_samples_per_second, threshold)
+            continue  # this size cannot enter the top
+        if own is not None and own <= bound * (1 + 1e-9):
+            counts = starts[n]  # its quick incumbent already meets the bound: optimal, no MILP needed
+        else:
+            counts = context.solve(n, objective, request.budget_usd_per_hour, request.min_samples_per_second,
+                                   threshold, starts.get(n))
         if counts:
             prediction = context.evaluate(counts)
             if satisfies(prediction, request, tolerance=1e-9):
                 found.append(prediction)
+                known[n] = context.value(prediction, objective)
     found.sort(key=ranking_key(objective))
     if not found:
         raise PlannerError(diagnose(context, request))

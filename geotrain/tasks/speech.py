@@ -56,6 +56,8 @@ SYNTHETIC_LETTER_S = 0.1
 SYNTHETIC_LOWEST_PITCH_HZ = 250.0
 SYNTHETIC_HIGHEST_PITCH_HZ = 6000.0
 SYNTHETIC_NOISE_STD = 0.02
+SYNTHETIC_HARMONICS = 3
+STANDARDISE = False
 
 
 @dataclass(frozen=True)
@@ -180,13 +182,15 @@ class SpeechTask(Task):
         letters = CHARACTERS[2:]
         letter_samples = round(SYNTHETIC_LETTER_S * SAMPLE_RATE_HZ)
         # pitches evenly spaced on the Mel scale (the HTK formula torchaudio uses), so each letter has its own bins
-        lowest_mel, highest_mel = (2595 * math.log10(1 + pitch / 700)
-                                   for pitch in (SYNTHETIC_LOWEST_PITCH_HZ, SYNTHETIC_HIGHEST_PITCH_HZ))
-        pitches_mel = torch.linspace(lowest_mel, highest_mel, len(letters))
-        pitches_hz = 700 * (10 ** (pitches_mel / 2595) - 1)
+        lowest_mel, highest_mel = (2595 * math.log10(1 + pitch_hz / 700)
+                                   for pitch_hz in (SYNTHETIC_LOWEST_PITCH_HZ, SYNTHETIC_HIGHEST_PITCH_HZ))
+        pitches_hz = 700 * (10 ** (torch.linspace(lowest_mel, highest_mel, len(letters)) / 2595) - 1)
         time_s = torch.arange(letter_samples) / SAMPLE_RATE_HZ
+        harmonics = torch.arange(1, SYNTHETIC_HARMONICS + 1)
+        # a letter is a pitch with its overtones: several Mel bins each, which a small model picks up fast
+        tones = torch.sin(2 * math.pi * pitches_hz[:, None, None] * harmonics[None, :, None] * time_s).sum(dim=1)
         # a Hann envelope returns to silence between letters, so a repeated letter is heard twice
-        tones = torch.sin(2 * math.pi * pitches_hz[:, None] * time_s[None, :]) * torch.hann_window(letter_samples)
+        tones = tones * torch.hann_window(letter_samples) / SYNTHETIC_HARMONICS
         max_letters = int(self.spec.window_s / SYNTHETIC_LETTER_S) - 1
         draws = torch.Generator().manual_seed(data_seed)
         while True:
@@ -257,8 +261,13 @@ class SpeechTask(Task):
             audio[row, :clip.numel()] = clip
         features = log_mel(self._mel(audio))
         feature_lengths = torch.tensor([clip.numel() // HOP_SAMPLES + 1 for clip, _ in clips])
-        padding = torch.arange(features.shape[-1])[None, :] >= feature_lengths[:, None]
-        features = features.masked_fill(padding[:, None, :], 0.0)
+        valid = (torch.arange(features.shape[-1])[None, :] < feature_lengths[:, None]).unsqueeze(1)
+        if STANDARDISE:
+            count = valid.sum(dim=(1, 2), keepdim=True) * features.shape[1]
+            mean = (features * valid).sum(dim=(1, 2), keepdim=True) / count
+            variance = ((features - mean).square() * valid).sum(dim=(1, 2), keepdim=True) / count
+            features = (features - mean) / (variance + 1e-5).sqrt()
+        features = features.masked_fill(~valid, 0.0)
         targets = nn.utils.rnn.pad_sequence([ids for _, ids in clips], batch_first=True, padding_value=BLANK_ID)
         return {"features": features, "feature_lengths": feature_lengths, "targets": targets,
                 "target_lengths": torch.tensor([ids.numel() for _, ids in clips])}
