@@ -185,8 +185,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
     from geotrain.coordinator import DEFAULT_PORT, DEFAULT_STATE_DIR, Coordinator
     from geotrain.lifecycle import Stopper
 
-    port = DEFAULT_PORT if getattr(args, "swarm.port") is None else None
-    config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, COORDINATOR_FLAGS], {"swarm.port": port})
+    config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, COORDINATOR_FLAGS],
+                              defaults={"swarm.port": DEFAULT_PORT})
     stopper = Stopper().install_signal_handlers()
     Coordinator(config, args.state_dir or DEFAULT_STATE_DIR, args.initial_peers_file).run(stopper.stop)
     return EXIT_OK

