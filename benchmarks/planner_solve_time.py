@@ -11,6 +11,8 @@ within $6/h.
 Run from the repository root::
 
     python benchmarks/planner_solve_time.py            # writes benchmarks/results/planner_solve_time.json (+ .png)
+    python benchmarks/planner_solve_time.py --table    # prints the README table from that JSON
+    python benchmarks/planner_solve_time.py --plot     # redraws the PNG from that JSON
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ from geotrain.planner.egress import load_egress  # noqa: E402
 from geotrain.planner.model import Settings  # noqa: E402
 from geotrain.planner.network import load_network  # noqa: E402
 from geotrain.planner.profiles import ModelProfile  # noqa: E402
-from geotrain.planner.solve import Inputs, Request, plan  # noqa: E402
+from geotrain.planner import prune  # noqa: E402
+from geotrain.planner.problem import Inputs, Request  # noqa: E402
+from geotrain.planner.solve import plan  # noqa: E402
 
-SIZES = [int(s) for s in sys.argv[1:]] or [10, 30, 100, 300, 1000, 3000, 10000]
-REPEATS = 1
+SIZES = [10, 30, 100, 300, 1000, 3000, 10000]
+REPEATS = 3
+AGREEMENT_OFFERS, AGREEMENT_SEEDS = 300, 5
 RESULTS = Path(__file__).resolve().parent / "results"
 # Synthetic: standalone samples/s and on-demand $/h per GPU (benchmark only, not shipped figures).
 GPUS = {"T4": (80.0, 0.55), "L4": (130.0, 0.80), "A10": (185.0, 1.00), "V100": (200.0, 2.50), "A100": (420.0, 3.70)}
@@ -82,6 +87,32 @@ def measure(offers: list[Offer], request: Request) -> dict:
             "best_usd_per_million_samples": result.best.usd_per_million_samples}
 
 
+def agreement() -> list[dict]:
+    """Catalogs just above the exact limit, solved with and without the candidate reduction."""
+    results = []
+    for seed in range(AGREEMENT_SEEDS):
+        inputs = Inputs(catalog(AGREEMENT_OFFERS, seed=seed), PROFILE, load_network(), load_egress(), Settings())
+        for request in (Request(max_peers=8, min_samples_per_second=400),
+                        Request(max_peers=8, objective="throughput", budget_usd_per_hour=6.0)):
+            reduced = plan(inputs, request)
+            limit = prune.EXACT_OFFER_LIMIT
+            prune.EXACT_OFFER_LIMIT = 10 ** 9
+            try:
+                started = time.process_time()
+                exact = plan(inputs, request)
+                exact_cpu_s = time.process_time() - started
+            finally:
+                prune.EXACT_OFFER_LIMIT = limit
+            key = "samples_per_second" if request.objective == "throughput" else "usd_per_million_samples"
+            results.append({"seed": seed, "objective": request.objective, "reduced": getattr(reduced.best, key),
+                            "exact": getattr(exact.best, key), "exact_offers": exact.offers_after_pruning,
+                            "reduced_offers": reduced.offers_after_pruning, "exact_cpu_s": exact_cpu_s,
+                            "same": abs(getattr(reduced.best, key) / getattr(exact.best, key) - 1) < 1e-6})
+            print(f"agreement seed {seed} {request.objective}: reduced {results[-1]['reduced']:.4f}, "
+                  f"exact {results[-1]['exact']:.4f}", flush=True)
+    return results
+
+
 def main() -> None:
     plan(Inputs(catalog(10), PROFILE, load_network(), load_egress()), Request(max_peers=2))  # import scipy once
     runs = []
@@ -95,33 +126,66 @@ def main() -> None:
               f"({row['cost_per_sample']['cpu_s']:.2f} s CPU, {row['cost_per_sample']['programs']} MILPs), "
               f"throughput {row['throughput']['wall_s']:.2f} s wall ({row['throughput']['cpu_s']:.2f} s CPU, "
               f"{row['throughput']['programs']} MILPs)", flush=True)
+    import os
+
     import scipy
 
     RESULTS.mkdir(exist_ok=True)
     data = {"benchmark": "planner_solve_time", "max_peers": 16, "repeats": REPEATS, "python": platform.python_version(),
-            "scipy": scipy.__version__, "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
-            "runs": runs}
+            "scipy": scipy.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "load_average_1min_at_end": os.getloadavg()[0], "runs": runs, "agreement": agreement()}
     (RESULTS / "planner_solve_time.json").write_text(json.dumps(data, indent=2) + "\n")
+    plot()
+
+
+def plot() -> None:
+    """Solve time against catalog size from the committed JSON: CPU time solid, wall time dashed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    data = json.loads((RESULTS / "planner_solve_time.json").read_text())
+    runs = data["runs"]
     figure, axes = plt.subplots(figsize=(6.5, 4), dpi=120)
     sizes = [r["offers"] for r in runs]
-    for key, label in (("cost_per_sample", "lowest $/sample, >= 400 samples/s"),
-                       ("throughput", "most samples/s within $6/h")):
-        axes.plot(sizes, [r[key]["wall_s"] for r in runs], "-o", label=label)
-    axes.axhline(2.0, color="#555", linestyle="--", linewidth=1, label="2 s target")
+    for (key, label), color in zip((("cost_per_sample", "lowest $/sample, >= 400 samples/s"),
+                                    ("throughput", "most samples/s within $6/h")), ("#1f77b4", "#ff7f0e")):
+        axes.plot(sizes, [r[key]["cpu_s"] for r in runs], "-o", color=color, label=f"{label}: CPU")
+        axes.plot(sizes, [r[key]["wall_s"] for r in runs], "--", color=color, alpha=0.6, label=f"{label}: wall")
+    axes.axhline(2.0, color="#555", linestyle=":", linewidth=1, label="2 s target")
     axes.set_xscale("log")
     axes.set_xlabel("offers in the catalog")
     axes.set_ylabel("solve time, s (median of 3)")
+    axes.set_title(f"shared {data['machine']}, load average {data['load_average_1min_at_end']:.0f} at the end",
+                   fontsize=9)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(RESULTS / "planner_solve_time.png")
 
 
+def table() -> str:
+    data = json.loads((RESULTS / "planner_solve_time.json").read_text())
+    lines = ["| offers in catalog | offers in the MILPs | lowest $/sample: CPU s | wall s | MILPs "
+             "| most samples/s: CPU s | wall s | MILPs |", "|---|---|---|---|---|---|---|---|"]
+    for r in data["runs"]:
+        c, t = r["cost_per_sample"], r["throughput"]
+        lines.append(f"| {r['offers']} | {c['offers_after_pruning']} | {c['cpu_s']:.2f} | {c['wall_s']:.2f} | "
+                     f"{c['programs']} | {t['cpu_s']:.2f} | {t['wall_s']:.2f} | {t['programs']} |")
+    same = sum(a["same"] for a in data["agreement"])
+    lines.append("")
+    lines.append(f"Candidate reduction (catalogs of {AGREEMENT_OFFERS} offers, {AGREEMENT_SEEDS} seeds, both objectives): "
+                 f"same answer as the exact solve in {same} of {len(data['agreement'])} cases; worst gap "
+                 + f"{max(abs(a['reduced'] / a['exact'] - 1) for a in data['agreement']) * 100:.2f}%.")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    main()
+    if "--table" in sys.argv:
+        print(table())
+    elif "--plot" in sys.argv:
+        plot()
+    else:
+        main()

@@ -24,25 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from geotrain.events import read_events
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return events
 
 
 def steady_samples_per_second(event_files: list[Path], skip_epochs: int) -> float:
     total = 0.0
     for path in event_files:
-        epochs = [e for e in read_jsonl(path) if e["event"] == "epoch"]
+        epochs = [e for e in read_events(path) if e["event"] == "epoch"]
         measured = [e for e in epochs if e["epoch"] > skip_epochs]
         # an epoch can be skipped by a peer that caught up by loading state: start at the last one before
         start = max(e["time"] for e in epochs if e["epoch"] <= skip_epochs)

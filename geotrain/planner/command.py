@@ -20,7 +20,7 @@ import sys
 
 from geotrain.planner.errors import PlannerError
 from geotrain.planner.model import DEFAULT_SPOT_INTERRUPTION_RATE
-from geotrain.planner.solve import DEFAULT_MAX_PEERS, OBJECTIVES
+from geotrain.planner.problem import DEFAULT_MAX_PEERS, OBJECTIVES
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +105,8 @@ def _plan(args: argparse.Namespace) -> int:
     from geotrain.planner.network import load_network
     from geotrain.planner.profiles import load_profile
     from geotrain.planner.report import format_table, plan_json, plot_frontier, why_best, write_json
-    from geotrain.planner.solve import Inputs, Request, plan
+    from geotrain.planner.problem import Inputs, Request
+    from geotrain.planner.solve import plan
 
     _check_positive("--budget-usd-per-hour", args.budget_usd_per_hour)
     _check_positive("--min-samples-per-second", args.min_samples_per_second)
@@ -147,7 +148,10 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"Wrote {args.json}")
     if args.plot:
         everything = plan(inputs, request, top=request.max_peers).candidates
-        fastest_request = Request(**{**request.__dict__, "budget_usd_per_hour": None, "min_samples_per_second": None})
+        # The fastest configuration of each size within a few times the chosen one's $/h draws the
+        # upper part of the frontier without letting very dear machines squash the plot.
+        spend = request.budget_usd_per_hour or 4 * result.best.usd_per_hour
+        fastest_request = Request(**{**request.__dict__, "budget_usd_per_hour": spend, "min_samples_per_second": None})
         try:
             everything += plan(inputs, fastest_request, objective="throughput", top=request.max_peers).candidates
         except PlannerError:

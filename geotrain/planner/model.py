@@ -108,7 +108,7 @@ class Prediction:
     coordinator_usd_per_hour: float
     egress_usd_per_hour: float
     data_usd_per_hour: float
-    egress_gb_per_round: float
+    traffic_gb_per_round: float
     bottleneck: str
     coordinator: Offer | None = None
     notes: list[str] = field(default_factory=list)
@@ -156,7 +156,7 @@ class Prediction:
             "data_usd_per_hour": self.data_usd_per_hour,
             "usd_per_hour": self.usd_per_hour,
             "usd_per_million_samples": self.usd_per_million_samples,
-            "egress_gb_per_round": self.egress_gb_per_round,
+            "traffic_gb_per_round": self.traffic_gb_per_round,
         }
         if train_samples:
             data["train_samples"] = train_samples
@@ -184,7 +184,7 @@ def evaluate(counts: dict[Offer, int] | list[tuple[Offer, int]], profile: ModelP
         raise ValueError("no VM of this configuration has a samples/s figure in the profile")
     compute_s = tbs / rate
 
-    comm_s, bottleneck, egress_usd_per_round, egress_gb = 0.0, "none (one VM trains alone)", 0.0, 0.0
+    comm_s, bottleneck, egress_usd_per_round, traffic_gb = 0.0, "none (one VM trains alone)", 0.0, 0.0
     if peers >= 2:
         per_site = Counter()
         representative: dict[tuple[str, str], Offer] = {}
@@ -211,7 +211,7 @@ def evaluate(counts: dict[Offer, int] | list[tuple[Offer, int]], profile: ModelP
                     price = egress.usd_per_gb(representative[a], representative[b], settings.spread_zones)
                     egress_usd_per_round += pairs * pair_gb * price
         comm_s = profile.round_overhead_s + slowest
-        egress_gb = peers * (peers - 1) * pair_gb
+        traffic_gb = peers * (peers - 1) * pair_gb
 
     no_overlap = tbs / _round_time(compute_s, comm_s, False)
     with_overlap = tbs / _round_time(compute_s, comm_s, True)
@@ -228,4 +228,4 @@ def evaluate(counts: dict[Offer, int] | list[tuple[Offer, int]], profile: ModelP
         coordinator_usd_per_hour=coordinator.price_usd_per_hour if coordinator else 0.0,
         egress_usd_per_hour=egress_usd_per_round * rounds_per_hour,
         data_usd_per_hour=data_usd_per_round * rounds_per_hour,
-        egress_gb_per_round=egress_gb, bottleneck=bottleneck, coordinator=coordinator)
+        traffic_gb_per_round=traffic_gb, bottleneck=bottleneck, coordinator=coordinator)

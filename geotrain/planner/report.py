@@ -7,7 +7,8 @@ from pathlib import Path
 
 from geotrain.planner.errors import PlannerError
 from geotrain.planner.model import Prediction
-from geotrain.planner.solve import Plan, Request
+from geotrain.planner.problem import Request
+from geotrain.planner.solve import Plan
 
 
 def _vms(prediction: Prediction) -> str:
@@ -56,26 +57,29 @@ def why_best(plan: Plan, request: Request, objective: str) -> str:
                        "efficiency and the averaging time (raise --min-samples-per-second to see them)")
     elif len(plan.candidates) > 1:
         runner = plan.candidates[1]
-        compute_value = best.samples_per_second / best.compute_usd_per_hour
-        runner_value = runner.samples_per_second / runner.compute_usd_per_hour
         if objective == "throughput":
-            reasons.append(f"the runner-up ({_vms(runner)}) is {_percent(runner.samples_per_second, best.samples_per_second)} "
-                           "slower")
+            reasons.append(f"the runner-up ({_vms(runner)}) is "
+                           f"{_percent(runner.samples_per_second, best.samples_per_second)} slower")
+        elif runner.usd_per_million_samples < best.usd_per_million_samples * 1.005:
+            reasons.append(f"the runner-up ({_vms(runner)}) is a near tie ({_percent(runner.usd_per_million_samples, best.usd_per_million_samples)} "
+                           f"dearer per sample): it reaches {runner.samples_per_second:.1f} samples/s for "
+                           f"${runner.usd_per_hour:.2f}/h")
         else:
-            gap = _percent(runner.usd_per_million_samples, best.usd_per_million_samples)
-            if abs(runner.egress_usd_per_hour - best.egress_usd_per_hour) > 0.1 * best.usd_per_hour:
-                detail = (f"it pays ${best.egress_usd_per_hour:.2f}/h egress against "
-                          f"${runner.egress_usd_per_hour:.2f}/h")
-            elif abs(runner.granularity - best.granularity) > 0.05 * best.granularity:
-                detail = (f"granularity {best.granularity:.2f} against {runner.granularity:.2f}: "
-                          f"{best.compute_s_per_round:.0f} s compute per {best.comm_s_per_round:.0f} s averaging")
+            def per_million(p: Prediction, usd_per_hour: float) -> float:
+                return usd_per_hour / (3600 * p.samples_per_second) * 1e6
+
+            compute = (per_million(best, best.compute_usd_per_hour), per_million(runner, runner.compute_usd_per_hour))
+            traffic = (per_million(best, best.egress_usd_per_hour + best.data_usd_per_hour),
+                       per_million(runner, runner.egress_usd_per_hour + runner.data_usd_per_hour))
+            if compute[1] - compute[0] >= traffic[1] - traffic[0]:
+                detail = f"its VMs cost ${compute[0]:.3f} per 1M samples against ${compute[1]:.3f}"
+                if abs(runner.granularity - best.granularity) > 0.05 * best.granularity:
+                    detail += f" (granularity {best.granularity:.2f} against {runner.granularity:.2f})"
             else:
-                detail = (f"{compute_value:.0f} samples/s per compute dollar against {runner_value:.0f}")
-            if runner.usd_per_million_samples < best.usd_per_million_samples * 1.005:
-                reasons.append(f"the runner-up ({_vms(runner)}) is a near tie ({gap} dearer per sample): "
-                               f"it reaches {runner.samples_per_second:.1f} samples/s for ${runner.usd_per_hour:.2f}/h")
-            else:
-                reasons.append(f"the runner-up ({_vms(runner)}) costs {gap} more per sample; {detail}")
+                detail = f"its egress costs ${traffic[0]:.3f} per 1M samples against ${traffic[1]:.3f}"
+            reasons.append(f"the runner-up ({_vms(runner)}) costs "
+                           f"{_percent(runner.usd_per_million_samples, best.usd_per_million_samples)} more per sample: "
+                           f"{detail}")
     if best.bottleneck and best.peers > 1:
         reasons.append(f"slowest link {best.bottleneck}")
     return "Why #1: " + "; ".join(reasons) + "."

@@ -114,3 +114,10 @@ def test_profile_errors_name_the_key(tmp_path):
         read_profile(path)
     with pytest.raises(PlannerError, match=r"no profile named 'nope'; available: .*convnext_large"):
         load_profile("nope", tmp_path)
+
+
+def test_catalog_cloud_without_egress_prices_is_named(tmp_path):
+    path = write(tmp_path, "cloud,kind,continent,usd_per_gb,source\ngc,inter_region,*,0.01,x\n"
+                           "*,data_loading,*,0.01,x\n", "egress.csv")
+    with pytest.raises(PlannerError, match=r"no egress prices for cloud\(s\) aws"):
+        load_egress(path).check_clouds({"gc", "aws"})

@@ -12,7 +12,8 @@ from geotrain.planner.errors import PlannerError
 from geotrain.planner.model import Settings, evaluate
 from geotrain.planner.network import load_network
 from geotrain.planner.profiles import ModelProfile
-from geotrain.planner.solve import Inputs, Request, plan, ranking_key, satisfies
+from geotrain.planner.problem import Inputs, Request, ranking_key, satisfies
+from geotrain.planner.solve import plan
 
 PROFILE = ModelProfile(name="test", parameters=200_000_000, bytes_per_parameter=2, target_batch_size=32768,
                        samples_per_second={"T4": 80, "A10": 185}, hivemind_efficiency=0.5, round_overhead_s=20.0)
@@ -34,8 +35,9 @@ CATALOG = [
 ]
 
 
-def brute_force(inputs: Inputs, request: Request, objective: str):
-    """Best configuration by exhaustive enumeration, using the same coordinator rule as the planner."""
+def brute_force(inputs: Inputs, request: Request, objective: str, size: int | None = None):
+    """Best configuration by exhaustive enumeration (of exactly ``size`` VMs if given), with the planner's
+    coordinator rule."""
     allowed = [o for o in inputs.offers if standalone(o)]
     on_demand = [o for o in inputs.offers if not o.spot]
     coordinator = None
@@ -44,7 +46,7 @@ def brute_force(inputs: Inputs, request: Request, objective: str):
                                                     o.instance_type))
     best = None
     for counts in itertools.product(range(request.max_peers + 1), repeat=len(allowed)):
-        if not 1 <= sum(counts) <= request.max_peers:
+        if not 1 <= sum(counts) <= request.max_peers or (size is not None and sum(counts) != size):
             continue
         config = {o: c for o, c in zip(allowed, counts) if c}
         if inputs.settings.anchor == "trainer" and not any(not o.spot for o in config):
@@ -94,24 +96,10 @@ def test_every_swarm_size_is_the_best_of_its_size():
     inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
     request = Request(max_peers=4, min_samples_per_second=60)
     result = plan(inputs, request, top=request.max_peers)
+    assert len(result.candidates) == 4
     for candidate in result.candidates:
-        sized = Request(max_peers=candidate.peers, min_samples_per_second=60)
-        expected = min((p for p in [brute_force_exact(inputs, sized, candidate.peers)] if p),
-                       key=ranking_key("cost-per-sample"))
+        expected = brute_force(inputs, request, "cost-per-sample", size=candidate.peers)
         assert candidate.usd_per_million_samples == pytest.approx(expected.usd_per_million_samples, rel=1e-6)
-
-
-def brute_force_exact(inputs: Inputs, request: Request, peers: int):
-    allowed = [o for o in inputs.offers if standalone(o)]
-    coordinator = min((o for o in inputs.offers if not o.spot), key=lambda o: o.price_usd_per_hour)
-    options = []
-    for counts in itertools.product(range(peers + 1), repeat=len(allowed)):
-        if sum(counts) == peers:
-            prediction = evaluate({o: c for o, c in zip(allowed, counts) if c}, inputs.profile, inputs.network,
-                                  inputs.egress, inputs.settings, coordinator)
-            if satisfies(prediction, request):
-                options.append(prediction)
-    return min(options, key=ranking_key("cost-per-sample")) if options else None
 
 
 def test_spreading_over_continents_is_chosen_only_when_a_quota_forces_it():
@@ -153,3 +141,21 @@ def test_spot_only_catalog_has_no_anchor():
     inputs = Inputs(spot_only, PROFILE, load_network(), load_egress(), Settings())
     with pytest.raises(PlannerError, match="on-demand VM for durable state"):
         plan(inputs, Request(max_peers=3))
+
+
+@pytest.mark.parametrize("objective,request_", [
+    ("cost-per-sample", Request(max_peers=5, min_samples_per_second=100)),
+    ("throughput", Request(max_peers=5, budget_usd_per_hour=2.0)),
+])
+def test_top_table_is_the_best_sizes_in_order(objective, request_):
+    inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
+    per_size = []
+    for n in range(1, request_.max_peers + 1):
+        best = brute_force(inputs, request_, objective, size=n)
+        if best is not None:
+            per_size.append(best)
+    per_size.sort(key=ranking_key(objective))
+    got = plan(inputs, request_, objective=objective, top=3).candidates
+    attribute = "samples_per_second" if objective == "throughput" else "usd_per_million_samples"
+    assert [getattr(p, attribute) for p in got] == pytest.approx([getattr(p, attribute) for p in per_size[:3]],
+                                                                 rel=1e-6)

@@ -1,0 +1,435 @@
+"""The best configuration of exactly n VMs: branch and bound over compute time per round, one MILP per node.
+
+See :mod:`geotrain.planner.solve` for why the model is split this way; this module writes the node
+programs (:meth:`SizeSearch.node_program`) and runs the search (:meth:`SizeSearch.solve`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from geotrain.planner.catalog import Offer
+from geotrain.planner.milp import INF, Program
+from geotrain.planner.model import GB, Prediction, bytes_per_pair, evaluate, peer_rate, transfer_s
+from geotrain.planner.problem import Inputs, Request, ranking_key, satisfies
+
+# Tangent points of T_calc = TBS / R per node: more make the bound tighter inside the node.
+TANGENTS = 6
+
+
+class SizeSearch:
+    """What every per-n program shares (offers, sites, network classes, prices), and the search itself."""
+
+    def __init__(self, offers: list[Offer], inputs: Inputs, request: Request, coordinator: Offer | None):
+        self.offers = offers
+        self.inputs = inputs
+        self.request = request
+        self.coordinator = coordinator
+        self.coordinator_usd_per_hour = coordinator.price_usd_per_hour if coordinator else 0.0
+        self.sites = sorted({o.site for o in offers})
+        self.representative = {}
+        for o in offers:
+            self.representative.setdefault(o.site, o)
+        places = inputs.network.places()
+        self.site_class = {}
+        for site in self.sites:
+            rep = self.representative[site]
+            self.site_class[site] = (rep.cloud, rep.continent, rep.region if rep.region in places else "")
+        self.classes = sorted(set(self.site_class.values()))
+        self.class_sites = defaultdict(list)
+        for site in self.sites:
+            self.class_sites[self.site_class[site]].append(site)
+        network = inputs.network
+        self.same_site_link = {s: network.link(self.representative[s], self.representative[s]) for s in self.sites}
+        self.class_internal_link = {}
+        for a, members in self.class_sites.items():
+            if len(members) >= 2:
+                self.class_internal_link[a] = network.link(self.representative[members[0]],
+                                                           self.representative[members[1]])
+        self.class_pair_link = {}
+        for i, a in enumerate(self.classes):
+            for b in self.classes[i + 1:]:
+                self.class_pair_link[(a, b)] = network.link(self.representative[self.class_sites[a][0]],
+                                                            self.representative[self.class_sites[b][0]])
+        spread = inputs.settings.spread_zones
+        egress = inputs.egress
+        self.egress_usd_per_gb = [[egress.usd_per_gb(self.representative[s], self.representative[t], spread)
+                                   for t in self.sites] for s in self.sites]
+        profile = inputs.profile
+        self.data_usd_per_round = (profile.target_batch_size * profile.data_bytes_per_sample / GB
+                                   * egress.data_loading_usd_per_gb("*"))
+        self.programs_solved = 0
+
+    # -- one swarm size --------------------------------------------------------------------------
+
+    def single_vm(self, objective: str, budget: float | None, min_sps: float | None) -> dict[Offer, int] | None:
+        """n = 1: every offer alone, evaluated directly (no all-reduce, nothing to optimise jointly)."""
+        best, best_key = None, None
+        request = Request(budget_usd_per_hour=budget, min_samples_per_second=min_sps)
+        key = ranking_key(objective)
+        for offer in self.offers:
+            if self.inputs.settings.anchor == "trainer" and offer.spot:
+                continue
+            if offer.region in self.request.region_quota_gpus and \
+                    offer.gpu_count > self.request.region_quota_gpus[offer.region]:
+                continue
+            prediction = self.evaluate({offer: 1})
+            if satisfies(prediction, request) and (best_key is None or key(prediction) < best_key):
+                best, best_key = {offer: 1}, key(prediction)
+        return best
+
+    def evaluate(self, counts: dict[Offer, int]) -> Prediction:
+        inputs = self.inputs
+        return evaluate(counts, inputs.profile, inputs.network, inputs.egress, inputs.settings, self.coordinator)
+
+    def _fastest_comm_s(self, n: int) -> float:
+        if n < 2:
+            return 0.0
+        profile = self.inputs.profile
+        links = [*self.same_site_link.values(), *self.class_internal_link.values(), *self.class_pair_link.values()]
+        return profile.round_overhead_s + min(transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+                                              for link in links)
+
+    def could_meet(self, n: int, request: Request) -> bool:
+        """False when n VMs can reach neither the throughput floor nor stay within the budget (no MILP needed)."""
+        profile, settings = self.inputs.profile, self.inputs.settings
+        if request.budget_usd_per_hour is not None and \
+                n * min(o.price_usd_per_hour for o in self.offers) + self.coordinator_usd_per_hour > \
+                request.budget_usd_per_hour * (1 + 1e-9):
+            return False
+        if request.min_samples_per_second is not None:
+            compute = profile.target_batch_size / (n * max(peer_rate(profile, o, n, settings) for o in self.offers))
+            comm = self._fastest_comm_s(n)
+            fastest = profile.target_batch_size / (max(compute, comm) if settings.overlap else compute + comm)
+            if fastest < request.min_samples_per_second * (1 - 1e-9):
+                return False
+        return True
+
+    def lower_bound(self, n: int, objective: str) -> float:
+        """A bound no configuration of n VMs beats, found without a MILP (orders and prunes the sizes)."""
+        profile, overlap = self.inputs.profile, self.inputs.settings.overlap
+        tbs = profile.target_batch_size
+        rates = [peer_rate(profile, o, n, self.inputs.settings) for o in self.offers]
+        comm = self._fastest_comm_s(n)
+        fastest = n * max(rates)
+        budget = self.request.budget_usd_per_hour
+        if budget is not None:
+            # Within the budget: each VM costs at most what the other n-1 cheapest leave, and R is at
+            # most the best samples/s per dollar times the dollars available.
+            spend = budget - self.coordinator_usd_per_hour
+            cheapest = min(o.price_usd_per_hour for o in self.offers)
+            affordable = [r for o, r in zip(self.offers, rates) if o.price_usd_per_hour <= spend - (n - 1) * cheapest]
+            if not affordable:
+                return INF
+            fastest = min(n * max(affordable),
+                          spend * max(r / o.price_usd_per_hour for o, r in zip(self.offers, rates) if o.price_usd_per_hour > 0)
+                          if all(o.price_usd_per_hour > 0 for o in self.offers) else fastest)
+        compute = tbs / fastest
+        if objective == "throughput":
+            return max(compute, comm) if overlap else compute + comm
+        # cost x T_calc >= TBS x min(price / rate) + coordinator x T_calc; cost x T_comm >= cheapest cost x T_comm
+        cost_compute = tbs * min(o.price_usd_per_hour / r for o, r in zip(self.offers, rates)) \
+            + self.coordinator_usd_per_hour * compute
+        cost_comm = (n * min(o.price_usd_per_hour for o in self.offers) + self.coordinator_usd_per_hour) * comm
+        vm = max(cost_compute, cost_comm) if overlap else cost_compute + cost_comm
+        return (vm / 3600 + self.data_usd_per_round) / tbs * 1e6
+
+    def value(self, prediction: Prediction, objective: str) -> float:
+        """The number the objective minimises: round time for throughput, $ per 1M samples otherwise."""
+        if objective == "throughput":
+            return self.inputs.profile.target_batch_size / prediction.samples_per_second
+        return prediction.usd_per_million_samples
+
+    def homogeneous(self, n: int, objective: str, request: Request) -> dict[Offer, int] | None:
+        """The best configuration of n VMs of one offer: a quick incumbent that lets the MILPs prune."""
+        best, best_key = None, None
+        key = ranking_key(objective)
+        quotas = request.region_quota_gpus
+        for offer in self.offers:
+            if n > 1 and offer.region in quotas and n * offer.gpu_count > quotas[offer.region]:
+                continue
+            if self.inputs.settings.anchor == "trainer" and offer.spot:
+                continue
+            prediction = self.evaluate({offer: n})
+            if satisfies(prediction, request) and (best_key is None or key(prediction) < best_key):
+                best, best_key = {offer: n}, key(prediction)
+        return best
+
+    def solve(self, n: int, objective: str, budget: float | None, min_sps: float | None,
+              threshold: float = INF, start: dict[Offer, int] | None = None) -> dict[Offer, int] | None:
+        """The best configuration of exactly n VMs, or None if none meets the constraints (or beats threshold).
+
+        Branch and bound over the compute time per round ``T_calc = TBS / R``: a node is an interval
+        [a, b] of it; its MILP bounds R to [TBS/b, TBS/a] and minimises a linear lower bound of the
+        objective that is exact at T_calc = a. The configuration it returns is evaluated exactly;
+        the node is split at that configuration's own T_calc, so the bound becomes exact there.
+        ``start`` is a known configuration of n VMs (an incumbent to prune with).
+        """
+        if n == 1:
+            return self.single_vm(objective, budget, min_sps)
+        key = ranking_key(objective)
+        request = Request(budget_usd_per_hour=budget, min_samples_per_second=min_sps)
+        profile, settings = self.inputs.profile, self.inputs.settings
+        rates = [peer_rate(profile, o, n, settings) for o in self.offers]
+        tbs = profile.target_batch_size
+        best, best_counts = None, None
+        if start:
+            best, best_counts = self.evaluate(start), start
+        nodes = [(-INF, (tbs / (n * max(rates)), tbs / (n * min(rates))))]
+        while nodes:
+            nodes.sort(key=lambda item: item[0])
+            bound, (a, b) = nodes.pop(0)
+            incumbent = min(threshold, self.value(best, objective) if best else INF)
+            if bound >= incumbent * (1 - 1e-7):
+                break
+            solved = self._solve_node(n, objective, budget, min_sps, a, b, incumbent)
+            if solved is None:
+                continue
+            counts, node_bound = solved
+            if node_bound >= incumbent * (1 - 1e-7):
+                continue
+            prediction = self.evaluate(counts)
+            feasible = satisfies(prediction, request, tolerance=1e-9)
+            if feasible and (best is None or key(prediction) < key(best)):
+                best, best_counts = prediction, counts
+                if node_bound >= self.value(best, objective) * (1 - 1e-7):
+                    continue
+            omega = prediction.compute_s_per_round
+            if feasible and a < omega <= b:
+                children = [(a, omega * (1 - 1e-6)), (omega, b)]
+            elif (b - a) > 1e-7 * b:
+                children = [(a, (a + b) / 2), ((a + b) / 2, b)]
+            else:
+                children = []
+            for child in children:
+                nodes.append((max(node_bound, self._interval_bound(n, objective, child[0])), child))
+        if best is None or self.value(best, objective) >= threshold * (1 - 1e-9):
+            return None
+        return best_counts
+
+    def _interval_bound(self, n: int, objective: str, compute_s: float) -> float:
+        """A bound for every configuration of n VMs computing at least ``compute_s`` per round (no MILP)."""
+        profile, overlap = self.inputs.profile, self.inputs.settings.overlap
+        comm = self._fastest_comm_s(n)
+        round_s = max(compute_s, comm) if overlap else compute_s + comm
+        if objective == "throughput":
+            return round_s
+        cheapest = n * min(o.price_usd_per_hour for o in self.offers) + self.coordinator_usd_per_hour
+        return (cheapest * round_s / 3600 + self.data_usd_per_round) / profile.target_batch_size * 1e6
+
+    def _solve_node(self, n: int, objective: str, budget: float | None, min_sps: float | None,
+                    a: float, b: float, cutoff: float = INF) -> tuple[dict[Offer, int], float] | None:
+        built = self.node_program(n, objective, budget, min_sps, a, b)
+        if built is None:
+            return None
+        program, x, bound_terms, constant = built
+        if cutoff < INF:
+            # Only configurations whose bound beats the incumbent are of interest: say so to HiGHS.
+            scale = 1.0 if objective == "throughput" else 3600 * self.inputs.profile.target_batch_size / 1e6
+            program.row(dict(bound_terms), upper=cutoff * scale - constant)
+        self.programs_solved += 1
+        values = program.solve()
+        if values is None:
+            return None
+        bound = constant + sum(c * values[var] for var, c in bound_terms.items())
+        counts = {offer: int(round(values[var])) for offer, var in zip(self.offers, x) if round(values[var]) > 0}
+        if objective != "throughput":
+            bound = bound / 3600 / self.inputs.profile.target_batch_size * 1e6
+        return counts, bound
+
+    def node_program(self, n: int, objective: str, budget: float | None, min_sps: float | None, a: float, b: float):
+        """The MILP of one node: n VMs, compute time per round within [a, b]."""
+        inputs, request = self.inputs, self.request
+        profile, settings = inputs.profile, inputs.settings
+        tbs = profile.target_batch_size
+        p = Program()
+        rates = [peer_rate(profile, o, n, settings) for o in self.offers]
+        prices = [o.price_usd_per_hour for o in self.offers]
+
+        # Per-offer counts, site counts and the quota/anchor/size constraints.
+        x = [p.var(0, n, integer=True) for _ in self.offers]
+        p.row({v: 1.0 for v in x}, n, n)
+        rate_terms = {x[i]: r for i, r in enumerate(rates)}
+        p.row(rate_terms, lower=tbs / b * (1 - 1e-12), upper=tbs / a * (1 + 1e-12))
+        quotas = request.region_quota_gpus
+        for region, gpus in quotas.items():
+            terms = {x[i]: float(o.gpu_count) for i, o in enumerate(self.offers) if o.region == region}
+            if terms:
+                p.row(terms, upper=gpus)
+        if settings.anchor == "trainer":
+            terms = {x[i]: 1.0 for i, o in enumerate(self.offers) if not o.spot}
+            if not terms:
+                return None
+            p.row(terms, lower=1)
+        site_capacity = {}
+        for site in self.sites:
+            members = [o for o in self.offers if o.site == site]
+            cap = n
+            if site[1] in quotas:
+                cap = min(n, max(n if o.gpu_count == 0 else quotas[site[1]] // o.gpu_count for o in members))
+            site_capacity[site] = cap
+        y = {}
+        for site in self.sites:
+            y[site] = p.var(0, site_capacity[site])
+            terms = {x[i]: -1.0 for i, o in enumerate(self.offers) if o.site == site}
+            terms[y[site]] = 1.0
+            p.row(terms, 0, 0)
+
+        # Network level: one-hot over the distinct slowest-link times.
+        link_s = {}
+        for site in self.sites:
+            link = self.same_site_link[site]
+            link_s[("site", site)] = transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+        for cls, link in self.class_internal_link.items():
+            link_s[("class", cls)] = transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+        for pair, link in self.class_pair_link.items():
+            link_s[("pair", pair)] = transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+        levels = sorted({round(profile.round_overhead_s + s, 9) for s in link_s.values()})
+        level = [p.binary() for _ in levels]
+        p.row({v: 1.0 for v in level}, 1, 1)
+
+        def allowed(seconds: float) -> dict[int, float]:
+            limit = round(profile.round_overhead_s + seconds, 9)
+            return {level[i]: 1.0 for i, value in enumerate(levels) if value >= limit - 1e-9}
+
+        for site in self.sites:
+            if site_capacity[site] >= 2:
+                terms = {v: -(n - 1.0) for v in allowed(link_s[("site", site)])}
+                terms[y[site]] = 1.0
+                p.row(terms, upper=1)
+        site_used = {}
+        class_used = {}
+        multi_class = len(self.classes) >= 2
+        for site in self.sites:
+            if multi_class or len(self.class_sites[self.site_class[site]]) >= 2:
+                site_used[site] = p.binary()
+                p.row({y[site]: 1.0, site_used[site]: -float(site_capacity[site])}, upper=0)
+        for cls, members in self.class_sites.items():
+            if len(members) >= 2:
+                terms = {site_used[s]: 1.0 for s in members}
+                for v in allowed(link_s[("class", cls)]):
+                    terms[v] = -(len(members) - 1.0)
+                p.row(terms, upper=1)
+            if multi_class:
+                class_used[cls] = p.binary()
+                for s in members:
+                    p.row({site_used[s]: 1.0, class_used[cls]: -1.0}, upper=0)
+        for (first, second) in self.class_pair_link:
+            terms = {class_used[first]: 1.0, class_used[second]: 1.0}
+            for v in allowed(link_s[("pair", (first, second))]):
+                terms[v] = -1.0
+            p.row(terms, upper=1)
+
+        # Egress per round: sum over sites of count x (price-weighted peers it sends to), linearised
+        # exactly by writing each site's count in binary.
+        egress_round: dict[int, float] = {}
+        pair_gb = bytes_per_pair(profile, n) / GB
+        if any(price > 0 for row in self.egress_usd_per_gb for price in row):
+            for si, site in enumerate(self.sites):
+                row_prices = self.egress_usd_per_gb[si]
+                top = max(row_prices) * n
+                if top <= 0:
+                    continue
+                bit_vars = [p.binary() for _ in range(max(1, site_capacity[site].bit_length()))]
+                terms = {bv: -(2.0 ** k) for k, bv in enumerate(bit_vars)}
+                terms[y[site]] = 1.0
+                p.row(terms, 0, 0)
+                for k, bv in enumerate(bit_vars):
+                    w = p.var(0, top)
+                    # w >= D_s - top * (1 - bit), with D_s = sum_t price(s->t) y_t - price(s->s)
+                    terms = {w: 1.0, bv: -top}
+                    for ti, t in enumerate(self.sites):
+                        if row_prices[ti]:
+                            terms[y[t]] = terms.get(y[t], 0.0) - row_prices[ti]
+                    p.row(terms, lower=-row_prices[si] - top)
+                    egress_round[w] = pair_gb * (2.0 ** k)
+
+        # cost x T_comm, with T_comm = sum(level value x level binary): the cost is split over the
+        # levels (c_l = cost if level l is chosen, else 0), which keeps the LP relaxation tight.
+        coordinator = self.coordinator_usd_per_hour
+        cost_lo, cost_hi = n * min(prices) + coordinator, n * max(prices) + coordinator
+        cost_comm: dict[int, float] = {}
+        split = {x[i]: -price for i, price in enumerate(prices)}
+        for value, lv in zip(levels, level):
+            c = p.var(0, cost_hi)
+            p.row({c: 1.0, lv: -cost_hi}, upper=0)
+            p.row({c: 1.0, lv: -cost_lo}, lower=0)
+            split[c] = 1.0
+            cost_comm[c] = value
+        p.row(split, coordinator, coordinator)
+        comm_terms = {lv: value for value, lv in zip(levels, level)}
+        cost_terms = {x[i]: price for i, price in enumerate(prices)}
+        fixed = 3600 * self.data_usd_per_round
+
+        # T_calc = TBS / R is convex in R: tangents at a few points of [TBS/b, TBS/a] bound it from below.
+        compute = p.var(a, b)
+        r_lo, r_hi = tbs / b, tbs / a
+        for j in range(TANGENTS):
+            r0 = r_lo * (r_hi / r_lo) ** (j / (TANGENTS - 1)) if TANGENTS > 1 else r_hi
+            # compute >= TBS/r0 - TBS/r0^2 (R - r0) = 2 TBS/r0 - TBS/r0^2 R
+            p.row({compute: 1.0, **{v: tbs / r0 ** 2 * coef for v, coef in rate_terms.items()}}, lower=2 * tbs / r0)
+        # cost x T_calc = TBS x sum(price/rate of each offer x its share of the throughput) + coordinator x T_calc.
+        # The shares s_o = rate_o x_o / R lie within [rate_o x_o / R_hi, rate_o x_o / R_lo] and sum to 1:
+        # linear, and exact once the node is narrow.
+        shares = {}
+        for i, (offer, rate) in enumerate(zip(self.offers, rates)):
+            share = p.var(0, 1)
+            p.row({share: 1.0, x[i]: -rate / r_hi}, lower=0)
+            p.row({share: 1.0, x[i]: -rate / r_lo}, upper=0)
+            shares[share] = tbs * prices[i] / rate
+        p.row({v: 1.0 for v in shares}, 1, 1)
+        vm_compute = p.var(0, INF)
+        p.row({vm_compute: 1.0, **{v: -c for v, c in shares.items()}, compute: -coordinator}, lower=0)
+        # 3600 x cost per round >= cost x T_calc + cost x T_comm (or the larger of them, with overlap)
+        # + 3600 x (egress + data); exact when T_calc is at either end of the node.
+        if settings.overlap:
+            vm_cost = p.var(0, INF)
+            p.row({vm_cost: 1.0, vm_compute: -1.0}, lower=0)
+            p.row({vm_cost: 1.0, **{k: -v for k, v in cost_comm.items()}}, lower=0)
+            round_cost, round_cost_const = {vm_cost: 1.0}, fixed
+            round_time = p.var(0, INF)
+            p.row({round_time: 1.0, compute: -1.0}, lower=0)
+            p.row({round_time: 1.0, **{k: -v for k, v in comm_terms.items()}}, lower=0)
+            time_terms, time_const = {round_time: 1.0}, 0.0
+        else:
+            round_cost = {vm_compute: 1.0, **cost_comm}
+            round_cost_const = fixed
+            time_terms, time_const = {compute: 1.0, **comm_terms}, 0.0
+        for k, v in egress_round.items():
+            round_cost[k] = round_cost.get(k, 0.0) + 3600 * v
+
+        if budget is not None:
+            # cost/h <= budget  <=>  (budget - cost) x round time >= 3600 x (egress + data) per round.
+            # Relaxed with T_calc <= b (exactness comes from evaluating the result):
+            # budget x (b + T_comm) - cost x b - cost x T_comm - 3600 x (egress + data) >= 0
+            p.row(cost_terms, upper=budget - coordinator)
+            terms = {x[i]: -b * pr for i, pr in enumerate(prices)}
+            for k, v in comm_terms.items():
+                terms[k] = terms.get(k, 0.0) + budget * v
+            for k, v in cost_comm.items():
+                terms[k] = -v
+            for k, v in egress_round.items():
+                terms[k] = terms.get(k, 0.0) - 3600 * v
+            p.row(terms, lower=fixed + b * coordinator - budget * b)
+        if min_sps is not None:
+            # TBS / R + T_comm <= TBS / min_sps, exact per level: R >= TBS / (TBS / min_sps - level).
+            limit = tbs / min_sps
+            r_cap = n * max(rates)
+            for value, lv in zip(levels, level):
+                if (settings.overlap and value > limit) or (not settings.overlap and value >= limit):
+                    p.row({lv: 1.0}, upper=0)
+                    continue
+                need = tbs / limit if settings.overlap else tbs / (limit - value)
+                p.row({**rate_terms, lv: -r_cap}, lower=need - r_cap)
+
+        if objective == "throughput":
+            # Lower bound of the round time, and a small pull towards more compute (a tie-break only).
+            for k, v in time_terms.items():
+                p.objective[k] += v
+            r_scale = 1e-6 * a / (n * max(rates))
+            for k, v in rate_terms.items():
+                p.objective[k] -= r_scale * v
+            return p, x, time_terms, time_const
+        for k, v in round_cost.items():
+            p.objective[k] += v
+        return p, x, round_cost, round_cost_const
