@@ -44,6 +44,7 @@ class Stopper:
         self.stop = threading.Event()
         self.deadline_s = deadline_s
         self.requested_monotonic_s: float | None = None
+        self.deadline_monotonic_s: float | None = None
         self.reason: str | None = None
         self.exit_code: int | None = None  # set by a request that wants a particular code
         self._owner_pid = os.getpid()
@@ -75,6 +76,7 @@ class Stopper:
             if self.stop.is_set():
                 return
             self.requested_monotonic_s = time.monotonic()
+            self.deadline_monotonic_s = self.requested_monotonic_s + deadline_s
             self.reason = reason
             self.exit_code = exit_code
             logger.info("%s: leaving the swarm (at most %.0f s)", reason, deadline_s)
@@ -82,6 +84,12 @@ class Stopper:
         watchdog = threading.Timer(deadline_s, self._deadline_passed, args=(deadline_s,))
         watchdog.daemon = True
         watchdog.start()
+
+    def seconds_left(self, default_s: float) -> float:
+        """Time left before the watchdog fires, or ``default_s`` when no stop was requested."""
+        if self.deadline_monotonic_s is None:
+            return default_s
+        return self.deadline_monotonic_s - time.monotonic()
 
     def seconds_since_request(self) -> float | None:
         if self.requested_monotonic_s is None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,6 +42,7 @@ from geotrain.metrics import PeerMetrics
 logger = logging.getLogger(__name__)
 
 PEER_WAIT_POLL_S = 0.5
+LOAD_STATE_ATTEMPTS = 3
 
 
 def parameters_sha256(model: torch.nn.Module) -> str:
@@ -110,11 +112,19 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     )
 
 
-def say_goodbye(dht, optimizer, run_id: str) -> None:
-    """Make sure the swarm stops counting on this peer's samples before its DHT node goes.
+SHUTDOWN_RESERVE_S = 4.0  # what a stop keeps for the DHT's own shutdown after the optimizer's
+UNHURRIED_SHUTDOWN_S = 30.0  # the optimizer's share when no deadline is set (end of a run)
+GOODBYE_TIMEOUT_S = 2.0
 
-    hivemind's tracker publishes an empty progress record on shutdown but does not wait for it; a peer
-    whose DHT node shuts down right after could leave the others waiting for it until the record expires.
+
+def leave_swarm(dht, optimizer, run_id: str, stopper: Stopper) -> None:
+    """Say goodbye, shut the optimizer down within the stop's deadline, then the DHT node.
+
+    The goodbye goes first: hivemind's tracker publishes an empty progress record on shutdown without
+    waiting for it, and once the averagers are gone the DHT node can spend seconds on their dangling
+    requests, so a record stored after them can come too late. With it, the others stop counting on
+    this peer's samples at once. The optimizer's shutdown (which may tag along in a running averaging
+    round, handing in what this peer accumulated) gets what is left of the deadline.
     """
     from hivemind.utils import get_dht_time
 
@@ -122,9 +132,17 @@ def say_goodbye(dht, optimizer, run_id: str) -> None:
 
     try:
         dht.store(progress_key(run_id), subkey=optimizer.tracker._local_public_key, value=None,
-                  expiration_time=get_dht_time() + optimizer.tracker.metadata_expiration)
+                  expiration_time=get_dht_time() + optimizer.tracker.metadata_expiration,
+                  return_future=True).result(timeout=GOODBYE_TIMEOUT_S)
     except Exception as error:  # leaving anyway; the record then expires on its own
         logger.debug("goodbye record not stored: %s", error)
+    budget_s = max(1.0, stopper.seconds_left(UNHURRIED_SHUTDOWN_S) - SHUTDOWN_RESERVE_S)
+    shutdown = threading.Thread(target=optimizer.shutdown, name="optimizer-shutdown", daemon=True)
+    shutdown.start()
+    shutdown.join(budget_s)
+    if shutdown.is_alive():
+        logger.warning("hivemind's optimizer did not shut down within %.0f s; leaving without it", budget_s)
+    dht.shutdown()
 
 
 @dataclass
@@ -213,9 +231,7 @@ class Trainer:
                                                  config.swarm.client_mode, config.training.final_agreement_timeout_s)
         finally:
             watcher.stop()
-            optimizer.shutdown()
-            say_goodbye(dht, optimizer, config.swarm.run_id)
-            dht.shutdown()
+            leave_swarm(dht, optimizer, config.swarm.run_id, stopper)
         params_sha256 = parameters_sha256(model)
         result = TrainerResult(peer_id, optimizer.local_epoch, totals, params_sha256, stop.is_set())
         since_stop_s = stopper.seconds_since_request()
@@ -271,10 +287,22 @@ class Trainer:
         swarm_epoch = max(optimizer.tracker.global_epoch, int(best_donor_epoch(dht, self.config.swarm.run_id)))
         if swarm_epoch <= optimizer.local_epoch:
             return
-        started = time.perf_counter()
         logger.info("swarm is at epoch %d; loading its state from peers", swarm_epoch)
-        optimizer.load_state_from_peers()
-        elapsed_s = time.perf_counter() - started
+        epoch_before = optimizer.local_epoch
+        for attempt in range(1, LOAD_STATE_ATTEMPTS + 1):
+            started = time.perf_counter()
+            optimizer.load_state_from_peers()
+            elapsed_s = time.perf_counter() - started
+            if optimizer.local_epoch > epoch_before:
+                break
+            # hivemind returns quietly when no donor answered in time (busy averaging, or slow chunks)
+            logger.warning("state download %d of %d brought nothing after %.1f s", attempt, LOAD_STATE_ATTEMPTS,
+                           elapsed_s)
+        else:
+            logger.warning("could not load the swarm's state; starting at epoch %d (hivemind tries again when "
+                           "this peer notices it is behind)", optimizer.local_epoch)
+            self.events.write("state_load_failed", peer_id=peer_id, epoch=optimizer.local_epoch)
+            return
         self.metrics.state_loads.inc()
         self.events.write("state_loaded", peer_id=peer_id, epoch=optimizer.local_epoch, seconds=elapsed_s,
                           params_sha256=parameters_sha256(model))
