@@ -13,7 +13,8 @@ Domains and their presets (:data:`PRESET_NAMES`):
 - ``asr``: speech recognition, a Whisper-sized encoder with a CTC head on log-Mel features (``speech.py``).
 
 Each domain module is imported only when its task is built, so a CV peer never loads transformers or
-torchaudio. Data sources (``synthetic``, ``folder``, ``webdataset``) are described in ``data.py``.
+torchaudio, and importing this package loads not even torch (the config reads :data:`PRESET_NAMES`).
+Data sources (``synthetic``, ``folder``, ``webdataset``) are described in ``data.py``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from geotrain.tasks.base import Batch, Task
 from geotrain.tasks.presets import EMJ24_PARAMETER_COUNTS, PRESET_NAMES
 
 if TYPE_CHECKING:
     from geotrain.config import TaskConfig
+    from geotrain.tasks.base import Batch, Task
 
 __all__ = ["Batch", "Task", "build_task", "PRESET_NAMES", "EMJ24_PARAMETER_COUNTS"]
 
@@ -35,6 +36,14 @@ _TASK_CLASSES: dict[str, tuple[str, str]] = {
     "nlp": ("geotrain.tasks.language", "LanguageTask"),
     "asr": ("geotrain.tasks.speech", "SpeechTask"),
 }
+
+
+def __getattr__(name: str):
+    if name in ("Task", "Batch"):  # these need torch: load it only when asked
+        from geotrain.tasks import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_task(task_config: TaskConfig) -> Task:

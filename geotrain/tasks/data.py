@@ -63,6 +63,11 @@ def epoch_rng(data_seed: int, epoch: int) -> random.Random:
     return random.Random(f"geotrain-data:{data_seed}:{epoch}")  # str seeds hash stably, unlike tuples
 
 
+def derived_seed(data_seed: int, purpose: str) -> int:
+    """A seed for one random stream of a pipeline: streams seeded alike would draw the same numbers."""
+    return random.Random(f"geotrain-{purpose}:{data_seed}").getrandbits(63)
+
+
 def cycle_passes(make_pass: Callable[[random.Random], Iterable[Sample]], data_seed: int,
                  description: str) -> Iterator[Sample]:
     """Endless samples: pass after pass over a source, each pass with its own shuffling stream."""

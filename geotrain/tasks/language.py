@@ -97,8 +97,8 @@ class FileTokenizer:
                                        "tokenizer.json written by the tokenizers library") from None
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         for attribute, names in self._NAMES.items():
-            token_id = next((self._tokenizer.token_to_id(n) for n in names if self._tokenizer.token_to_id(n) is not None),
-                            None)
+            ids = (self._tokenizer.token_to_id(name) for name in names)
+            token_id = next((token_id for token_id in ids if token_id is not None), None)
             if token_id is None:
                 raise data.DataSourceError(f"task.data.tokenizer_path {path!r}: has none of the tokens {names}; "
                                            "masked language modelling needs <s>, <pad>, </s> and <mask> tokens")
@@ -152,6 +152,7 @@ class LanguageTask(Task):
                      labels=batch["labels"]).loss
 
     def build_data(self, batch_size: int, data_seed: int) -> Iterator[Batch]:
+        self.tokenizer  # load it now: a bad tokenizer_path should fail here, not at the first batch
         source = self.config.data.source
         if source == "synthetic":
             sequences = self._synthetic_sequences(batch_size, data_seed)
@@ -159,9 +160,9 @@ class LanguageTask(Task):
             if source == "folder":
                 documents = self._folder_documents(self.config.data.path, data_seed)
             else:
-                documents = self._webdataset_documents(self.config.data.path, data_seed)
+                documents = self._webdataset_documents(data.stream_shards(self.config.data.path, data_seed))
             sequences = data.batches(self._pack(documents, data_seed), batch_size, torch.stack)
-        masking = torch.Generator().manual_seed(data_seed)
+        masking = torch.Generator().manual_seed(data.derived_seed(data_seed, "masking"))
         return (self._mask(token_ids, masking) for token_ids in sequences)
 
     # ------------------------------------------------------------------------------------------ sources
@@ -169,14 +170,16 @@ class LanguageTask(Task):
     def _synthetic_sequences(self, batch_size: int, data_seed: int) -> Iterator[torch.Tensor]:
         tokenizer, length = self.tokenizer, self.spec.sequence_length_tokens
         distribution = random.Random(SYNTHETIC_DISTRIBUTION_SEED)
-        states = torch.tensor(distribution.sample(tokenizer.content_ids, SYNTHETIC_TOPICS * SYNTHETIC_TOPIC_STATES))
+        # a small tokenizer.json may have fewer ordinary tokens than the chain wants: shrink the chain to fit
+        topic_size = min(SYNTHETIC_TOPIC_STATES, len(tokenizer.content_ids))
+        topics = min(SYNTHETIC_TOPICS, len(tokenizer.content_ids) // topic_size)
+        states = torch.tensor(distribution.sample(tokenizer.content_ids, topics * topic_size))
+        probabilities = torch.tensor(SYNTHETIC_SUCCESSOR_PROBABILITIES[:topic_size])
         # a state's successors lie in its own topic: the context says the topic, the left neighbour the rest
-        successors = torch.tensor([
-            [topic * SYNTHETIC_TOPIC_STATES + offset
-             for offset in distribution.sample(range(SYNTHETIC_TOPIC_STATES), len(SYNTHETIC_SUCCESSOR_PROBABILITIES))]
-            for topic in range(SYNTHETIC_TOPICS) for _ in range(SYNTHETIC_TOPIC_STATES)])
-        probabilities = torch.tensor(SYNTHETIC_SUCCESSOR_PROBABILITIES)
-        draws = torch.Generator().manual_seed(data_seed)
+        successors = torch.tensor([[topic * topic_size + offset
+                                    for offset in distribution.sample(range(topic_size), len(probabilities))]
+                                   for topic in range(topics) for _ in range(topic_size)])
+        draws = torch.Generator().manual_seed(data.derived_seed(data_seed, "synthetic"))
         while True:
             state = torch.randint(len(states), (batch_size,), generator=draws)
             choices = torch.multinomial(probabilities, batch_size * (length - 2), replacement=True, generator=draws)
@@ -204,8 +207,8 @@ class LanguageTask(Task):
 
         return data.cycle_passes(one_pass, data_seed, f"text files {path!r}")
 
-    def _webdataset_documents(self, path: str, data_seed: int) -> Iterator[str]:
-        for sample in data.stream_shards(path, data_seed):
+    def _webdataset_documents(self, shard_samples: Iterator[dict]) -> Iterator[str]:
+        for sample in shard_samples:
             _, text = data.require_field(sample, ("txt",), "a .txt member with the sample's text")
             yield text.decode("utf-8", errors="replace")
             yield ""
@@ -225,7 +228,8 @@ class LanguageTask(Task):
                     yield self._wrap(torch.tensor(buffer[:content_length]).unsqueeze(0))[0]
                     del buffer[:content_length]
 
-        return data.shuffle_buffer(chunks(), data.DEFAULT_SHUFFLE_BUFFER_SAMPLES, random.Random(f"pack:{data_seed}"))
+        shuffling = random.Random(data.derived_seed(data_seed, "packing"))
+        return data.shuffle_buffer(chunks(), data.DEFAULT_SHUFFLE_BUFFER_SAMPLES, shuffling)
 
     def _wrap(self, content: torch.Tensor) -> torch.Tensor:
         """``<s> content </s>`` for a (B, L-2) tensor of token ids."""

@@ -85,14 +85,14 @@ class VisionTask(Task):
         if source == "folder":
             samples = self._folder_samples(self.config.data.path, data_seed)
         else:
-            samples = self._webdataset_samples(self.config.data.path, data_seed)
+            samples = self._webdataset_samples(data.stream_shards(self.config.data.path, data_seed))
         return data.batches(samples, batch_size, _collate)
 
     def _synthetic_batches(self, batch_size: int, data_seed: int) -> Iterator[Batch]:
         size_px, num_classes = self.spec.image_size_px, self.spec.num_classes
         distribution = torch.Generator().manual_seed(SYNTHETIC_DISTRIBUTION_SEED)
         prototypes = torch.randn(num_classes, 3, SYNTHETIC_PROTOTYPE_PX, SYNTHETIC_PROTOTYPE_PX, generator=distribution)
-        draws = torch.Generator().manual_seed(data_seed)
+        draws = torch.Generator().manual_seed(data.derived_seed(data_seed, "synthetic"))
         while True:
             labels = torch.randint(num_classes, (batch_size,), generator=draws)
             clean = F.interpolate(prototypes[labels], size=(size_px, size_px), mode="bilinear", align_corners=False)
@@ -115,8 +115,8 @@ class VisionTask(Task):
 
         return data.cycle_passes(one_pass, data_seed, f"image folder {path!r}")
 
-    def _webdataset_samples(self, path: str, data_seed: int) -> Iterator[tuple[torch.Tensor, int]]:
-        for sample in data.stream_shards(path, data_seed):
+    def _webdataset_samples(self, shard_samples: Iterator[dict]) -> Iterator[tuple[torch.Tensor, int]]:
+        for sample in shard_samples:
             _, image_bytes = data.require_field(sample, tuple(s[1:] for s in IMAGE_SUFFIXES), "an image per sample")
             _, label_bytes = data.require_field(sample, ("cls",), "the class index as text, e.g. 000123.cls")
             where = f"webdataset shard {sample['__url__']!r}, sample {sample['__key__']!r}"
