@@ -145,18 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--metrics-base-port", type=int, default=None,
                        help="serve peer i's metrics on this port + i (default: no metrics)")
 
-    try:
-        from geotrain.planner.command import (add_plan_arguments, add_profile_arguments, run_plan,
-                                              run_profile)
-    except ImportError:  # the planner is optional at this layer: the swarm commands do not need it
-        pass
-    else:
-        plan = commands.add_parser("plan", help="which VMs to rent where, for the lowest cost per sample")
-        add_plan_arguments(plan)
-        plan.set_defaults(handler=run_plan)
-        profile = commands.add_parser("profile", help="add a measured model profile for the planner")
-        add_profile_arguments(profile)
-        profile.set_defaults(handler=run_profile)
+    from geotrain.planner.command import add_plan_arguments, add_profile_arguments, run_plan, run_profile
+
+    plan = commands.add_parser("plan", help="which VMs to rent where, for the lowest cost per sample")
+    add_plan_arguments(plan)
+    plan.set_defaults(handler=run_plan)
+    profile = commands.add_parser("profile", help="add a measured model profile for the planner")
+    add_profile_arguments(profile)
+    profile.set_defaults(handler=run_profile)
     return parser
 
 
