@@ -123,8 +123,10 @@ def leave_swarm(dht, optimizer, run_id: str, stopper: Stopper) -> None:
     The goodbye goes first: hivemind's tracker publishes an empty progress record on shutdown without
     waiting for it, and once the averagers are gone the DHT node can spend seconds on their dangling
     requests, so a record stored after them can come too late. With it, the others stop counting on
-    this peer's samples at once. The optimizer's shutdown (which may tag along in a running averaging
-    round, handing in what this peer accumulated) gets what is left of the deadline.
+    this peer's samples at once. The optimizer's shutdown gets what is left of the deadline: in a round
+    that already started it tags along with zero weight, so the round completes for the others. (hivemind
+    offers no way to hand in a partial accumulation outside a round; those samples are lost, and the
+    swarm's epoch is filled by the others.)
     """
     from hivemind.utils import get_dht_time
 
