@@ -136,6 +136,9 @@ class LocalSwarm:
         except KeyboardInterrupt:
             interrupted = True
             print("\nstopping the local swarm ...", flush=True)
+        except LocalSwarmError as error:
+            print(f"geotrain local: {error}", file=sys.stderr)
+            return 1
         finally:
             self.stop_all()
         trainers = [p for p in self.processes if p.name != "coordinator"]
