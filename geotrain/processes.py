@@ -44,7 +44,7 @@ def descendants(pid: int | None = None) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
             state = handle.read().rsplit(")", 1)[1].split()[0]
@@ -61,10 +61,10 @@ def terminate_tree(pids: list[int], grace_s: float = 3.0) -> None:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+    while time.monotonic() < deadline and any(is_alive(pid) for pid in pids):
         time.sleep(0.05)
     for pid in pids:
-        if _alive(pid):
+        if is_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

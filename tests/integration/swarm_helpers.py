@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from geotrain.events import read_events
-from geotrain.processes import descendants
+from geotrain.processes import descendants, is_alive as alive
 
 # Small enough for 2 shared cores, large enough that an epoch takes a few seconds and peers meet in it.
 FAST_SWARM = ["--task", "cv", "--preset", "tiny", "--target-batch-size", "1024", "--batch-size", "32"]
@@ -41,14 +41,6 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.3):
 
 def last_epoch(events_path: Path) -> int:
     return max((e["epoch"] for e in read_events(events_path) if e["event"] == "epoch"), default=0)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def processes_mentioning(text: str) -> list[int]:
