@@ -1,12 +1,13 @@
 """The one configuration tree of geotrain, and the one place where its defaults live.
 
-A config is YAML with up to five sections (every key is optional)::
+A config is YAML with these sections (every key is optional)::
 
     swarm:      {run_id: mnist-demo, initial_peers: [/ip4/203.0.113.7/tcp/31337/p2p/Qm...]}
     optimizer:  {network_profile: intercontinental, target_batch_size: 8192, batch_size_per_step: 64}
     task:       {name: cv, preset: resnet50, data: {source: webdataset, path: "s3://bucket/shards-{000..099}.tar"}}
-    metrics:    {port: 9100}
+    metrics:    {port: 9100, region: us-central1, cloud: gcp, instance_type: n1-standard-8}
     training:   {max_epochs: 100}
+    cost:       {instance_usd_per_hour: {n1-standard-8: 0.18}, egress_budget_usd_per_hour: 2.0}
 
 Command-line flags override it (``--target-batch-size 4096``), and so does the generic
 ``--set optimizer.learning_rate=0.01``. Anything a user can get wrong fails with a
@@ -19,12 +20,12 @@ value in the config wins over the profile. See :data:`NETWORK_PROFILES` for the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-TaskName = Literal["cv", "nlp", "asr"]
+TaskName = Literal["cv", "nlp", "asr", "emulated"]
 NetworkProfileName = Literal["loopback", "lan", "continent", "intercontinental"]
 GradCompression = Literal["none", "fp16", "uniform8bit"]
 OptimizerName = Literal["sgd", "adam", "adamw", "lamb"]
@@ -209,6 +210,37 @@ class MetricsConfig(_Strict):
     region: str = Field("local", description="Label: the VM's region, e.g. us-central1 (startup scripts set it).")
     cloud: str = Field("local", description="Label: the VM's cloud, e.g. gcp, aws, azure.")
     instance_type: str = Field("local", description="Label: the VM's instance type, e.g. g4dn.xlarge.")
+    publish_interval_s: float = Field(
+        5.0, gt=0, description="How often a peer measures its traffic and publishes its metric record in the DHT.")
+    target_epoch: int | None = Field(
+        None, ge=1, description="Epoch the swarm's ETA counts down to; default: training.max_epochs.")
+
+
+class EgressPrice(_Strict):
+    """USD per GB that the sender's cloud bills for bytes from one region to another ("*" matches any)."""
+
+    source: str = "*"
+    destination: str = "*"
+    usd_per_gb: float = Field(ge=0)
+
+
+class CostConfig(_Strict):
+    """The price table the coordinator turns the swarm's VMs and measured traffic into cost with.
+
+    Defaults: traffic within a region is free (VMs of one region share a zone); any other traffic is
+    billed at $0.08/GB, Google Cloud's price between continents [EMJ24 Table 1], the highest of the
+    three clouds' inter-continent prices there. Instance prices have no default: list yours, e.g.
+    ``{g4dn.xlarge: 0.395}`` (AWS T4 spot, US average, April 2023 [EMJ24 Table 1]).
+    """
+
+    instance_usd_per_hour: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=dict, description="Hourly price by instance type (the peers' --instance-type).")
+    same_region_usd_per_gb: float = Field(0.0, ge=0, description="Price of traffic between peers of one region.")
+    egress_usd_per_gb: list[EgressPrice] = Field(
+        default_factory=lambda: [EgressPrice(usd_per_gb=0.08)],
+        description="Rules by source and destination region; the most specific match wins.")
+    egress_budget_usd_per_hour: float | None = Field(
+        None, ge=0, description="Alert when the swarm's egress costs more than this per hour.")
 
 
 class PreemptionConfig(_Strict):
@@ -247,6 +279,7 @@ class GeotrainConfig(_Strict):
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -62,7 +62,7 @@ def read_swarm_progress(dht, run_id: str) -> tuple[int, int]:
 class DurableState:
     """The swarm's training state held by the coordinator: restore, follow the swarm, checkpoint."""
 
-    def __init__(self, config: GeotrainConfig, dht, state_dir: Path):
+    def __init__(self, config: GeotrainConfig, dht, state_dir: Path, metrics=None):
         from geotrain.checkpoint import CheckpointStore
         from geotrain.tasks import build_task
         from geotrain.trainer import build_hivemind_optimizer
@@ -76,6 +76,7 @@ class DurableState:
                                      mirror_url=settings.mirror_url, config_yaml=config.to_yaml())
         self.saved_epoch = -1
         self.saved_monotonic_s = time.monotonic()
+        self.metrics = metrics  # geotrain.metrics.SwarmMetrics: checkpoints written, and when
 
     @property
     def epoch(self) -> int:
@@ -128,6 +129,9 @@ class DurableState:
         info = self.store.save(capture_state(self.optimizer, self.model), epoch=self.epoch, samples_seen=samples_seen)
         self.saved_epoch = info.epoch
         self.saved_monotonic_s = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.checkpoints.inc()
+            self.metrics.set_optional(self.metrics.checkpoint_last_success, time.time())
         logger.info("checkpoint version %d written: epoch %d, %.1f MB, sha256 %s", info.version, info.epoch,
                     info.size_bytes / 1e6, info.sha256[:16])
 
@@ -142,19 +146,32 @@ class Coordinator:
         self.initial_peers_file = initial_peers_file
 
     def run(self, stop: Event) -> None:
+        from geotrain.metrics import SwarmMetrics
+        from geotrain.reporting import MetricsReporter, PeerProgress
         from geotrain.swarm import visible_addresses
+        from geotrain.swarm_view import SwarmView
 
-        swarm = self.config.swarm
+        config = self.config
+        swarm = config.swarm
         if swarm.identity_path is None:
             swarm = swarm.model_copy(update={"identity_path": self.state_dir / "identity.key"})
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        metrics = SwarmMetrics(swarm.run_id, config.metrics)
+        metrics_port = metrics.serve(config.metrics)
         dht = self._rejoin_or_start(swarm)
         durable = None
+        progress = PeerProgress()
+        reporter = MetricsReporter(dht, swarm.run_id, "coordinator", config.metrics, progress)
+        view = SwarmView(config.cost, config.optimizer.target_batch_size,
+                         config.metrics.target_epoch or config.training.max_epochs)
         try:
-            if self.config.coordinator.hold_state:
-                durable = DurableState(self.config, dht, self.state_dir)
+            if config.coordinator.hold_state:
+                durable = DurableState(config, dht, self.state_dir, metrics)
                 durable.restore()
             self._announce(visible_addresses(dht), swarm.announce_host)
+            if metrics_port is not None:
+                logger.info("swarm metrics on http://%s:%d/metrics", config.metrics.host, metrics_port)
+            reporter.start()
             last_status = None
             while not stop.wait(POLL_INTERVAL_S):
                 swarm_epoch, trainers = read_swarm_progress(dht, swarm.run_id)
@@ -164,11 +181,27 @@ class Coordinator:
                     self._remember_peers(dht)
                 if durable is not None and trainers:
                     durable.follow(swarm_epoch)
+                    progress.epoch = durable.epoch
+                self._aggregate(dht, view, metrics)
         finally:
+            reporter.leave()
             if durable is not None:
                 durable.shutdown()
             dht.shutdown()
         logger.info("coordinator stopped")
+
+    def _aggregate(self, dht, view, metrics) -> None:
+        """Fold the peers' metric records into the swarm metrics this coordinator exports."""
+        from geotrain.metric_records import read_records
+        from geotrain.swarm_view import export
+
+        try:
+            records = read_records(dht, self.config.swarm.run_id)
+        except Exception as error:  # a busy DHT: keep the last figures, try again next poll
+            logger.debug("could not read metric records: %s", error)
+            return
+        snapshot = view.update({owner: peer.record for owner, peer in records.items()})
+        export(snapshot, metrics, self.config.cost)
 
     @property
     def _known_peers_path(self) -> Path:

@@ -1,49 +1,63 @@
 """Prometheus metrics of one peer, served on ``metrics.port`` (loopback unless told otherwise).
 
-Names follow Prometheus conventions: counters end in ``_total``, durations in ``_seconds``.
-Every metric carries the run id, the peer's role, and its region, cloud and instance type (from the
-``metrics`` section of its config) as labels.
+Names follow Prometheus conventions: counters end in ``_total``, durations in ``_seconds``, sizes in
+``_bytes``. Every metric carries the run id, the peer's role, and its region, cloud and instance type
+(from the ``metrics`` section of its config) as labels.
+
+:class:`PeerMetrics` is what every peer exports about itself; :class:`SwarmMetrics` is what the
+coordinator exports about the whole swarm, aggregated from the trainers' signed records in the DHT
+(:mod:`geotrain.metric_records`, :mod:`geotrain.swarm_view`).
 """
 
 from __future__ import annotations
 
 import errno
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               start_http_server)
 
 from geotrain.config import MetricsConfig
+
+disable_created_metrics()  # no *_created series: they double every counter and no query here needs them
 
 
 class MetricsPortError(RuntimeError):
     pass
 
 
-class PeerMetrics:
+# Averaging rounds take well under a second on a LAN and tens of seconds between continents.
+AVERAGING_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
+ROUND_RESULTS = ("ok", "failed", "timeout")
+
+
+class _Metrics:
+    """A registry whose metrics all carry this peer's run id, role, region, cloud and instance type."""
+
     def __init__(self, run_id: str, role: str, config: MetricsConfig | None = None):
         config = config or MetricsConfig()
         self.registry = CollectorRegistry()
-        labels = {"run_id": run_id, "role": role, "region": config.region, "cloud": config.cloud,
-                  "instance_type": config.instance_type}
-        names = list(labels)
+        self._labels = {"run_id": run_id, "role": role, "region": config.region, "cloud": config.cloud,
+                        "instance_type": config.instance_type}
 
-        def gauge(name: str, documentation: str) -> Gauge:
-            return Gauge(name, documentation, names, registry=self.registry).labels(**labels)
+    def _gauge(self, name: str, documentation: str, extra: tuple[str, ...] = (), optional: bool = False):
+        """A gauge of this peer; with ``extra`` labels or ``optional`` (absent until set) the labelled parent."""
+        gauge = Gauge(name, documentation, [*self._labels, *extra], registry=self.registry)
+        return gauge if extra or optional else gauge.labels(**self._labels)
 
-        def counter(name: str, documentation: str) -> Counter:
-            return Counter(name, documentation, names, registry=self.registry).labels(**labels)
+    def _counter(self, name: str, documentation: str, extra: tuple[str, ...] = ()):
+        counter = Counter(name, documentation, [*self._labels, *extra], registry=self.registry)
+        return counter if extra else counter.labels(**self._labels)
 
-        self.samples = counter("geotrain_samples", "Samples this peer has processed")
-        self.compute_seconds = counter("geotrain_compute_seconds", "Seconds spent in forward and backward passes")
-        self.communication_seconds = counter(
-            "geotrain_communication_seconds", "Seconds spent averaging with peers or waiting for them")
-        self.state_loads = counter("geotrain_state_loads", "Times this peer loaded the swarm's state from peers")
-        self.preemption_notices = counter("geotrain_preemption_notices", "Spot preemption notices received")
-        self.samples_per_second = gauge("geotrain_samples_per_second", "This peer's samples/s over its last epoch")
-        self.local_epoch = gauge("geotrain_local_epoch", "Epoch of this peer's parameters")
-        self.global_epoch = gauge("geotrain_global_epoch", "Newest epoch any peer of the swarm has reached")
-        self.loss = gauge("geotrain_loss", "Mean training loss of this peer over its last epoch")
-        self.peers = gauge("geotrain_peers", "Trainer peers this peer sees in the swarm")
-        self.granularity = gauge("geotrain_granularity", "Compute time over communication time, last epoch")
+    def set_optional(self, gauge, value: float | None) -> None:
+        """Set an optional gauge, or remove its series when the value is unknown."""
+        if value is None:
+            gauge.clear()
+        else:
+            gauge.labels(**self._labels).set(value)
+
+    def labelled(self, metric, **extra):
+        """The child of a metric with extra labels (e.g. destination_region), this peer's labels included."""
+        return metric.labels(**self._labels, **extra)
 
     def serve(self, config: MetricsConfig) -> int | None:
         """Start the HTTP endpoint; return its port (None when disabled)."""
@@ -58,3 +72,75 @@ class PeerMetrics:
                     "--metrics-port (or 0 for any free port)") from None
             raise MetricsPortError(f"cannot serve metrics on {config.host}:{config.port}: {error.strerror}") from None
         return server.server_port
+
+
+class PeerMetrics(_Metrics):
+    def __init__(self, run_id: str, role: str, config: MetricsConfig | None = None):
+        super().__init__(run_id, role, config)
+        gauge, counter = self._gauge, self._counter
+
+        self.samples = counter("geotrain_samples", "Samples this peer has processed")
+        self.compute_seconds = counter("geotrain_compute_seconds", "Seconds spent in forward and backward passes")
+        self.communication_seconds = counter(
+            "geotrain_communication_seconds", "Seconds spent averaging with peers or waiting for them")
+        self.state_loads = counter("geotrain_state_loads", "Times this peer loaded the swarm's state from peers")
+        self.preemption_notices = counter("geotrain_preemption_notices", "Spot preemption notices received")
+        self.samples_per_second = gauge("geotrain_samples_per_second", "This peer's samples/s over its last epoch")
+        self.local_epoch = gauge("geotrain_local_epoch", "Epoch of this peer's parameters")
+        self.global_epoch = gauge("geotrain_global_epoch", "Newest epoch any peer of the swarm has reached")
+        self.loss = gauge("geotrain_loss", "Mean training loss of this peer over its last epoch")
+        self.peers = gauge("geotrain_peers", "Trainer peers this peer sees in the swarm")
+        self.granularity = gauge("geotrain_granularity", "Compute time over communication time, last epoch")
+        self.averaging_rounds = counter("geotrain_averaging_rounds", "Gradient averaging rounds by result",
+                                        ("result",))
+        for result in ROUND_RESULTS:  # all three series exist from the start, so rates work at once
+            self.labelled(self.averaging_rounds, result=result)
+        self.averaging_duration = Histogram(
+            "geotrain_averaging_duration_seconds", "Time this peer waited for a gradient averaging round to end",
+            list(self._labels), buckets=AVERAGING_BUCKETS_S, registry=self.registry).labels(**self._labels)
+        self.sent_bytes = counter("geotrain_sent_bytes", "Bytes this peer's swarm connections sent, by destination "
+                                  "region (the kernel's TCP counters)", ("destination_region",))
+        self.received_bytes = counter("geotrain_received_bytes",
+                                      "Bytes this peer's swarm connections received (the kernel's TCP counters)")
+
+    def averaging_round(self, result: str, duration_s: float) -> None:
+        self.labelled(self.averaging_rounds, result=result).inc()
+        self.averaging_duration.observe(duration_s)
+
+
+class SwarmMetrics(_Metrics):
+    """The coordinator's view of the whole swarm, from the trainers' records (see geotrain.swarm_view)."""
+
+    def __init__(self, run_id: str, config: MetricsConfig | None = None):
+        super().__init__(run_id, "coordinator", config)
+        gauge, counter = self._gauge, self._counter
+        self.samples_per_second = gauge("geotrain_swarm_samples_per_second",
+                                        "Sum of the alive trainers' samples/s over their last epoch")
+        self.global_epoch = gauge("geotrain_swarm_global_epoch", "Newest epoch any trainer has reached")
+        self.granularity = gauge("geotrain_swarm_granularity",
+                                 "The trainers' compute time over communication time, last epoch (mean)")
+        # absent while unknown: no target epoch, no throughput yet, no budget, no checkpoint yet
+        self.eta_seconds = gauge("geotrain_swarm_eta_seconds",
+                                 "Seconds until the target epoch at the current samples/s", optional=True)
+        self.peers = gauge("geotrain_swarm_peers", "Alive trainers by region and cloud", ("peer_region", "peer_cloud"))
+        self.peer_joins = counter("geotrain_swarm_peer_joins", "Trainers that joined the swarm")
+        self.peer_departures = counter("geotrain_swarm_peer_departures",
+                                       "Trainers that left the swarm (goodbye or record expired)")
+        self.instance_cost = gauge("geotrain_swarm_instance_cost_dollars_per_hour",
+                                   "What the alive trainers' VMs cost per hour (cost.instance_usd_per_hour)")
+        self.egress_cost = gauge("geotrain_swarm_egress_cost_dollars_per_hour",
+                                 "What the trainers' measured traffic costs per hour (cost.egress_usd_per_gb)")
+        self.cost = gauge("geotrain_swarm_cost_dollars_per_hour", "Instances plus egress, per hour")
+        self.cost_per_million_samples = gauge("geotrain_swarm_cost_dollars_per_million_samples",
+                                              "Dollars per 1M samples at the current cost and throughput",
+                                              optional=True)
+        self.egress_bytes_per_second = gauge("geotrain_swarm_egress_bytes_per_second",
+                                             "Trainers' measured traffic by source and destination region",
+                                             ("peer_region", "destination_region"))
+        self.unpriced_peers = gauge("geotrain_swarm_unpriced_peers",
+                                    "Alive trainers whose instance type has no price in cost.instance_usd_per_hour")
+        self.egress_budget = gauge("geotrain_swarm_egress_budget_dollars_per_hour",
+                                   "cost.egress_budget_usd_per_hour, for the alert rule", optional=True)
+        self.checkpoints = counter("geotrain_checkpoints", "Checkpoints this coordinator wrote")
+        self.checkpoint_last_success = gauge("geotrain_checkpoint_last_success_timestamp_seconds",
+                                             "Unix time of this coordinator's newest checkpoint", optional=True)

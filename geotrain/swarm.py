@@ -45,12 +45,15 @@ def ensure_port_free(host: str, port: int, what: str, flag: str) -> None:
             raise SwarmJoinError(f"cannot listen on {host}:{port} for the {what}: {error.strerror}") from None
 
 
-def progress_validators(run_id: str):
-    """Validators that make every peer (the coordinator included) reject unsigned or malformed progress."""
+def record_validators(run_id: str):
+    """Validators that make every peer reject unsigned or malformed progress and metric records."""
     from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
     from hivemind.optim.progress_tracker import TrainingProgressSchema
 
-    return [SchemaValidator(TrainingProgressSchema, prefix=run_id), RSASignatureValidator()]
+    from geotrain.metric_records import MetricsSchema
+
+    return [SchemaValidator(TrainingProgressSchema, prefix=run_id), SchemaValidator(MetricsSchema, prefix=run_id),
+            RSASignatureValidator()]
 
 
 def start_dht(swarm: SwarmConfig):
@@ -66,7 +69,7 @@ def start_dht(swarm: SwarmConfig):
         announce_maddrs=swarm.announce_maddrs(),
         identity_path=str(swarm.identity_path) if swarm.identity_path else None,
         client_mode=swarm.client_mode,
-        record_validators=progress_validators(swarm.run_id),
+        record_validators=record_validators(swarm.run_id),
         start=True,
         await_ready=False,
     )

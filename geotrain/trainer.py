@@ -38,6 +38,7 @@ from geotrain.config import GeotrainConfig
 from geotrain.events import EventLog
 from geotrain.lifecycle import Stopper
 from geotrain.metrics import PeerMetrics
+from geotrain.reporting import MetricsReporter, PeerProgress
 
 logger = logging.getLogger(__name__)
 
@@ -73,17 +74,49 @@ def build_compression(name: str):
     return {"none": NoCompression, "fp16": Float16Compression, "uniform8bit": Uniform8BitQuantization}[name]()
 
 
-def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module):
-    """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped)."""
+def averaging_round_result(control) -> str:
+    """ok, timeout or failed: how one gradient averaging round (a hivemind StepControl) ended."""
+    if not control.done():
+        return "timeout"  # hivemind stopped waiting for it (averaging_timeout)
+    if control.cancelled():
+        return "failed"
+    error = control.exception()
+    if error is None:
+        return "ok"
+    return "timeout" if isinstance(error, TimeoutError) else "failed"
+
+
+def _measured_optimizer_class():
     import hivemind
 
+    class MeasuredOptimizer(hivemind.Optimizer):
+        """hivemind.Optimizer that reports how each gradient averaging round ended and how long it took.
+
+        The duration is how long this peer waited for the round once its own gradients were ready
+        (matchmaking that was still going on, then all-reduce); with delayed updates that wait runs in
+        the background, next to the next epoch's compute.
+        """
+
+        on_averaging_round = None  # callable(result, duration_s)
+
+        def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+            started = time.perf_counter()
+            super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+            if maybe_step_control is not None and self.on_averaging_round is not None:
+                self.on_averaging_round(averaging_round_result(maybe_step_control), time.perf_counter() - started)
+
+    return MeasuredOptimizer
+
+
+def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module, on_averaging_round=None):
+    """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped)."""
     opt = config.optimizer
     delayed = opt.delayed_parameter_updates
     # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory
     from hivemind.optim.grad_averager import GradientAverager
 
     grad_averager_factory = partial(GradientAverager, request_timeout=opt.request_timeout_s)
-    return hivemind.Optimizer(
+    optimizer = _measured_optimizer_class()(
         dht=dht,
         run_id=config.swarm.run_id,
         target_batch_size=opt.target_batch_size,
@@ -110,6 +143,8 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         state_averaging_compression=build_compression(opt.grad_compression),
         verbose=False,
     )
+    optimizer.on_averaging_round = on_averaging_round
+    return optimizer
 
 
 SHUTDOWN_RESERVE_S = 4.0  # what a stop keeps for the DHT's own shutdown after the optimizer's
@@ -195,6 +230,7 @@ class Trainer:
         self.wait_for_peers = wait_for_peers
         self.wait_for_peers_timeout_s = wait_for_peers_timeout_s
         self.metrics = PeerMetrics(config.swarm.run_id, role="trainer", config=config.metrics)
+        self.progress = PeerProgress()
 
     def run(self, stopper: Stopper) -> TrainerResult:
         from geotrain.preemption import start_watcher
@@ -214,7 +250,9 @@ class Trainer:
         parameters = sum(p.numel() for p in model.parameters())
         self.events.write("joined", peer_id=peer_id, metrics_port=metrics_port, parameters=parameters)
 
-        optimizer = build_hivemind_optimizer(config, dht, model)
+        optimizer = build_hivemind_optimizer(config, dht, model, on_averaging_round=self.metrics.averaging_round)
+        self.reporter = MetricsReporter(dht, config.swarm.run_id, "trainer", config.metrics, self.progress, self.metrics)
+        self.reporter.start()
         agreed = False
         try:
             # Trainers that start together first wait to see each other, or each would run its first epochs
@@ -233,6 +271,7 @@ class Trainer:
                                                  config.swarm.client_mode, config.training.final_agreement_timeout_s)
         finally:
             watcher.stop()
+            self.reporter.leave()
             leave_swarm(dht, optimizer, config.swarm.run_id, stopper)
         params_sha256 = parameters_sha256(model)
         result = TrainerResult(peer_id, optimizer.local_epoch, totals, params_sha256, stop.is_set())
@@ -325,6 +364,7 @@ class Trainer:
         run_totals = EpochTotals()
         epoch = optimizer.local_epoch
         epoch_totals = EpochTotals()
+        self.progress.epoch = epoch
         self.events.write("training", peer_id=peer_id, epoch=epoch)
         while not stop.is_set() and (max_epochs is None or epoch < max_epochs):
             data_started = time.perf_counter()
@@ -344,6 +384,7 @@ class Trainer:
             epoch_totals.compute_s += comm_started - compute_started
             epoch_totals.comm_s += finished - comm_started
             self.metrics.samples.inc(batch_size)
+            self.progress.samples_total += batch_size
             if epoch_totals.steps == 1 and run_totals.steps == 0:
                 self._wait_for_peers(dht, stop, read_progress, "reported progress")
 
@@ -377,6 +418,12 @@ class Trainer:
         m.peers.set(peers)
         if not math.isinf(totals.granularity):
             m.granularity.set(totals.granularity)
+        progress = self.progress
+        progress.epoch = epoch
+        progress.samples_per_second = samples_per_second
+        progress.granularity = None if math.isinf(totals.granularity) else totals.granularity
+        progress.compute_seconds_total += totals.compute_s
+        progress.communication_seconds_total += totals.comm_s
 
 
 def write_resolved_config(config: GeotrainConfig, directory: Path) -> Path:

@@ -1,0 +1,94 @@
+"""The swarm view's arithmetic: throughput, peers by place, ETA, churn and cost from records."""
+
+from __future__ import annotations
+
+import pytest
+
+from geotrain.config import ConfigError, CostConfig, EgressPrice, load_config
+from geotrain.metric_records import MetricRecord
+from geotrain.swarm_view import SwarmView, egress_usd_per_gb
+
+GB = 10**9
+
+
+def record(peer: str, region: str = "us", *, time: float = 100.0, epoch: int = 3, samples_per_second: float = 100.0,
+           sent: dict | None = None, role: str = "trainer", instance_type: str = "n1-t4",
+           granularity: float | None = 2.0) -> MetricRecord:
+    return MetricRecord(peer_id=peer, role=role, region=region, cloud="gcp", instance_type=instance_type, time=time,
+                        epoch=epoch, samples_total=1000, samples_per_second=samples_per_second,
+                        granularity=granularity, compute_seconds_total=10.0, communication_seconds_total=5.0,
+                        sent_bytes_by_region=sent or {}, received_bytes_total=0, addresses=["10.0.0.1:31337"])
+
+
+def test_throughput_epoch_and_places_count_trainers_only():
+    view = SwarmView(CostConfig(), target_batch_size=1000)
+    snapshot = view.update({"a": record("a", "us", samples_per_second=100.0, epoch=3),
+                            "b": record("b", "eu", samples_per_second=50.0, epoch=4, granularity=4.0),
+                            "c": record("c", "us", role="coordinator", samples_per_second=0.0, epoch=9)})
+    assert snapshot.peers == 2
+    assert snapshot.samples_per_second == pytest.approx(150.0)
+    assert snapshot.global_epoch == 4  # the coordinator's epoch is the checkpoint's, not training progress
+    assert snapshot.granularity == pytest.approx(3.0)
+    assert snapshot.peers_by_place == {("us", "gcp"): 1, ("eu", "gcp"): 1}
+
+
+def test_eta_counts_down_to_the_target_epoch():
+    view = SwarmView(CostConfig(), target_batch_size=1000, target_epoch=10)
+    snapshot = view.update({"a": record("a", epoch=4, samples_per_second=200.0)})
+    assert snapshot.eta_seconds == pytest.approx(6 * 1000 / 200.0)
+    assert SwarmView(CostConfig(), 1000, 3).update({"a": record("a", epoch=4)}).eta_seconds == 0.0
+    assert SwarmView(CostConfig(), 1000, None).update({"a": record("a")}).eta_seconds is None
+
+
+def test_joins_and_departures_between_looks():
+    view = SwarmView(CostConfig(), target_batch_size=1000)
+    first = view.update({"a": record("a"), "b": record("b")})
+    second = view.update({"b": record("b"), "c": record("c")})
+    assert (first.joined, first.departed) == (2, 0)
+    assert (second.joined, second.departed) == (1, 1)
+
+
+def test_egress_cost_from_measured_bytes_between_two_records():
+    cost = CostConfig(egress_usd_per_gb=[EgressPrice(source="us", destination="eu", usd_per_gb=0.05),
+                                         EgressPrice(usd_per_gb=0.08)])
+    view = SwarmView(cost, target_batch_size=1000)
+    before = view.update({"a": record("a", "us", time=100.0, sent={"eu": 0, "asia": 0, "us": 0})})
+    assert before.egress_usd_per_hour == 0.0  # one record says nothing about a rate
+    after = view.update({"a": record("a", "us", time=110.0, sent={"eu": 10 * GB, "asia": 1 * GB, "us": 5 * GB})})
+    # per second: 1 GB to eu at 0.05, 0.1 GB to asia at the catch-all 0.08, 0.5 GB within us for free
+    expected_per_hour = 3600 * (1 * 0.05 + 0.1 * 0.08 + 0.5 * 0.0)
+    assert after.egress_usd_per_hour == pytest.approx(expected_per_hour)
+    assert after.egress_bytes_per_second[("us", "eu")] == pytest.approx(1 * GB)
+    # the same record again keeps the last rate instead of dropping to zero
+    again = view.update({"a": record("a", "us", time=110.0, sent={"eu": 10 * GB, "asia": 1 * GB, "us": 5 * GB})})
+    assert again.egress_usd_per_hour == pytest.approx(expected_per_hour)
+
+
+def test_instance_cost_and_cost_per_million_samples():
+    cost = CostConfig(instance_usd_per_hour={"n1-t4": 0.18})
+    view = SwarmView(cost, target_batch_size=1000)
+    snapshot = view.update({"a": record("a", samples_per_second=100.0), "b": record("b", samples_per_second=100.0),
+                            "c": record("c", role="coordinator", instance_type="e2-standard-4")})
+    assert snapshot.instance_usd_per_hour == pytest.approx(0.36)
+    assert snapshot.unpriced_peers == 1  # the coordinator's type has no price: reported, not guessed
+    assert snapshot.usd_per_million_samples == pytest.approx(0.36 / (200 * 3600) * 1e6)
+    assert SwarmView(cost, 1000).update({}).usd_per_million_samples is None
+
+
+def test_most_specific_egress_rule_wins():
+    cost = CostConfig(same_region_usd_per_gb=0.01, egress_usd_per_gb=[
+        EgressPrice(usd_per_gb=0.08), EgressPrice(destination="aus", usd_per_gb=0.15),
+        EgressPrice(source="us", destination="aus", usd_per_gb=0.12)])
+    assert egress_usd_per_gb(cost, "us", "us") == 0.01
+    assert egress_usd_per_gb(cost, "us", "aus") == 0.12
+    assert egress_usd_per_gb(cost, "eu", "aus") == 0.15
+    assert egress_usd_per_gb(cost, "eu", "asia") == 0.08
+
+
+def test_a_wrong_price_table_is_a_clear_config_error(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("cost:\n  instance_usd_per_hour: {g4dn.xlarge: -1}\n  egress_usd_per_gb: [{usd_per_gb: cheap}]\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert "cost.instance_usd_per_hour" in str(error.value)
+    assert "cost.egress_usd_per_gb.0.usd_per_gb" in str(error.value)
