@@ -6,6 +6,10 @@ starts a coordinator and N trainer peers as separate OS processes on loopback (e
 commands a user runs on real VMs), shows live progress, stops everything at the end or on Ctrl-C,
 prints a summary table and writes it as JSON. Each process logs to ``RUN_DIR/<name>.log``; the
 trainers' event files (``RUN_DIR/peer-<i>.jsonl``) feed the progress display and the summary.
+
+With ``--prometheus`` every peer (the coordinator too) serves metrics on a free loopback port, and a
+real Prometheus (:mod:`geotrain.prometheus_server`) scrapes them, evaluates geotrain's alert rules and
+serves the swarm's console page; its config, targets, data and log are kept in ``RUN_DIR/prometheus``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pathlib import Path
 from geotrain.config import GeotrainConfig
 from geotrain.events import read_events
 from geotrain.lifecycle import die_with_parent
+from geotrain.prometheus_server import (DEFAULT_PORT as DEFAULT_PROMETHEUS_PORT, DEFAULT_SCRAPE_INTERVAL_S,
+                                        PrometheusError, PrometheusServer, find_prometheus, free_ports)
 from geotrain.trainer import write_resolved_config
 
 COORDINATOR_START_TIMEOUT_S = 90.0
@@ -49,15 +55,35 @@ class LocalSwarmError(RuntimeError):
 
 
 class LocalSwarm:
+    """A coordinator and ``peers`` trainers on loopback.
+
+    ``metrics_base_port``: trainer *i* serves metrics on this port + *i*, the coordinator on this port +
+    ``peers``. ``prometheus``: also start Prometheus on ``prometheus_port`` (0: any free port), scraping
+    every ``scrape_interval_s``; without a base port the peers' metrics ports are free ones.
+    """
+
     def __init__(self, config: GeotrainConfig, peers: int, epochs: int, run_dir: Path | None = None,
-                 metrics_base_port: int | None = None):
+                 metrics_base_port: int | None = None, prometheus: bool = False,
+                 prometheus_port: int = DEFAULT_PROMETHEUS_PORT,
+                 scrape_interval_s: float = DEFAULT_SCRAPE_INTERVAL_S):
         self.config = config.model_copy(deep=True)
         self.config.training.max_epochs = epochs
         self.peers = peers
         self.epochs = epochs
         self.run_dir = run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")
         self.metrics_base_port = metrics_base_port
+        self.scrape_interval_s = scrape_interval_s
         self.processes: list[PeerProcess] = []
+        self.prometheus: PrometheusServer | None = None
+        names = [*(f"peer-{i}" for i in range(peers)), "coordinator"]
+        self.metrics_ports: dict[str, int] = {}
+        if metrics_base_port is not None:
+            self.metrics_ports = {name: metrics_base_port + i for i, name in enumerate(names)}
+        if prometheus:
+            find_prometheus()  # before anything starts: a missing binary is the user's to fix
+            ports = free_ports(len(names) + 1)  # distinct: the peers' metrics and Prometheus' own
+            self.metrics_ports = self.metrics_ports or dict(zip(names, ports))
+            self.prometheus = PrometheusServer(self.run_dir / "prometheus", port=prometheus_port or ports[-1])
 
     # --- processes -------------------------------------------------------------------------
     def _spawn(self, name: str, arguments: list[str], events_path: Path | None = None,
@@ -78,7 +104,8 @@ class LocalSwarm:
         peers_file = self.run_dir / "initial_peers.txt"
         coordinator = self._spawn("coordinator", [
             "coordinator", "--config", str(config_path), "--port", "0",
-            "--state-dir", str(self.run_dir / "coordinator"), "--initial-peers-file", str(peers_file)])
+            "--state-dir", str(self.run_dir / "coordinator"), "--initial-peers-file", str(peers_file),
+            *self._metrics_arguments("coordinator")])
         deadline = time.monotonic() + COORDINATOR_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if peers_file.exists():
@@ -100,10 +127,24 @@ class LocalSwarm:
                          "--threads", str(threads)]
             for address in initial_peers:
                 arguments += ["--initial-peers", address]
-            if self.metrics_base_port is not None:
-                arguments += ["--metrics-port", str(self.metrics_base_port + index)]
+            arguments += self._metrics_arguments(f"peer-{index}")
             trainers.append(self._spawn(f"peer-{index}", arguments, events_path, threads))
         return trainers
+
+    def _metrics_arguments(self, name: str) -> list[str]:
+        port = self.metrics_ports.get(name)
+        return [] if port is None else ["--metrics-port", str(port)]
+
+    def _start_prometheus(self) -> None:
+        """Prometheus first: the swarm's first epochs are on its graphs, and a taken port fails fast."""
+        self.prometheus.write_targets(self.metrics_ports)
+        self.prometheus.write_config(scrape_interval_s=self.scrape_interval_s)
+        try:
+            self.prometheus.start()
+        except PrometheusError as error:
+            raise LocalSwarmError(str(error)) from None
+        print(f"Prometheus: {self.prometheus.url} (alerts: {self.prometheus.url}/alerts); "
+              f"swarm console: {self.prometheus.console_url}", flush=True)
 
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM trainers first (they say goodbye), then the coordinator; SIGKILL after ``grace_s``."""
@@ -130,6 +171,8 @@ class LocalSwarm:
               flush=True)
         interrupted = False
         try:
+            if self.prometheus is not None:
+                self._start_prometheus()
             initial_peers = self._start_coordinator(config_path)
             trainers = self._start_trainers(config_path, initial_peers)
             self._follow(trainers)
@@ -141,6 +184,8 @@ class LocalSwarm:
             return 1
         finally:
             self.stop_all()
+            if self.prometheus is not None:
+                self.prometheus.stop()
         trainers = [p for p in self.processes if p.name != "coordinator"]
         summary = summarize(self.config, trainers, self.run_dir)
         print(format_summary(summary), flush=True)

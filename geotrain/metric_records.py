@@ -83,14 +83,18 @@ def finite(value: float) -> float:
     return float(value) if math.isfinite(value) and value >= 0 else 0.0
 
 
-def publish(dht, run_id: str, record: MetricRecord | None, ttl_s: float, timeout_s: float = 10.0) -> bool:
-    """Store this peer's record (``None``: it left); True when at least one DHT node accepted it."""
+def store_record(dht, run_id: str, record: MetricRecord | None, ttl_s: float):
+    """Start storing this peer's record (``None``: it left); a future of whether a DHT node accepted it."""
     from hivemind.utils import get_dht_time
 
     value = None if record is None else record.dict()
-    future = dht.store(metrics_key(run_id), subkey=local_public_key(), value=value,
-                       expiration_time=get_dht_time() + ttl_s, return_future=True)
-    return bool(future.result(timeout=timeout_s))
+    return dht.store(metrics_key(run_id), subkey=local_public_key(), value=value,
+                     expiration_time=get_dht_time() + ttl_s, return_future=True)
+
+
+def publish(dht, run_id: str, record: MetricRecord | None, ttl_s: float, timeout_s: float = 10.0) -> bool:
+    """Store this peer's record and wait; True when at least one DHT node accepted it."""
+    return bool(store_record(dht, run_id, record, ttl_s).result(timeout=timeout_s))
 
 
 @dataclass

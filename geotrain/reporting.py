@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from geotrain.config import MetricsConfig
-from geotrain.metric_records import MetricRecord, finite, publish, read_records, record_ttl_s
+from geotrain.metric_records import MetricRecord, finite, publish, read_records, record_ttl_s, store_record
 from geotrain.traffic import TrafficMeter
 
 logger = logging.getLogger(__name__)
@@ -118,13 +118,19 @@ class MetricsReporter(threading.Thread):
             if self.peer_metrics is not None:
                 self.peer_metrics.received_bytes.inc(new_bytes)
 
-    def leave(self) -> None:
-        """Stop publishing and withdraw the record (best effort: it expires on its own otherwise)."""
+    def stop(self) -> None:
+        """Publish no more records (returns at once; a publication under way finishes on its own)."""
         self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout=LEAVE_TIMEOUT_S)
+
+    def withdraw(self):
+        """Start withdrawing this peer's record; a future (the record expires on its own if it fails)."""
+        self.stop()
+        return store_record(self.dht, self.run_id, None, self.ttl_s)
+
+    def leave(self) -> None:
+        """Stop publishing and withdraw the record (best effort)."""
         try:
-            publish(self.dht, self.run_id, None, self.ttl_s, timeout_s=LEAVE_TIMEOUT_S)
+            self.withdraw().result(timeout=LEAVE_TIMEOUT_S)
         except Exception as error:
             logger.debug("metric record not withdrawn: %s", error)
 

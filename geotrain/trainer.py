@@ -152,7 +152,7 @@ UNHURRIED_SHUTDOWN_S = 30.0  # the optimizer's share when no deadline is set (en
 GOODBYE_TIMEOUT_S = 2.0
 
 
-def leave_swarm(dht, optimizer, run_id: str, stopper: Stopper) -> None:
+def leave_swarm(dht, optimizer, run_id: str, stopper: Stopper, reporter=None) -> None:
     """Say goodbye, shut the optimizer down within the stop's deadline, then the DHT node.
 
     The goodbye goes first: hivemind's tracker publishes an empty progress record on shutdown without
@@ -161,18 +161,24 @@ def leave_swarm(dht, optimizer, run_id: str, stopper: Stopper) -> None:
     this peer's samples at once. The optimizer's shutdown gets what is left of the deadline: in a round
     that already started it tags along with zero weight, so the round completes for the others. (hivemind
     offers no way to hand in a partial accumulation outside a round; those samples are lost, and the
-    swarm's epoch is filled by the others.)
+    swarm's epoch is filled by the others.) The metric record is withdrawn at the same time as the goodbye,
+    so the swarm view drops this peer at once too.
     """
     from hivemind.utils import get_dht_time
 
     from geotrain.swarm import progress_key
 
-    try:
-        dht.store(progress_key(run_id), subkey=optimizer.tracker._local_public_key, value=None,
-                  expiration_time=get_dht_time() + optimizer.tracker.metadata_expiration,
-                  return_future=True).result(timeout=GOODBYE_TIMEOUT_S)
-    except Exception as error:  # leaving anyway; the record then expires on its own
-        logger.debug("goodbye record not stored: %s", error)
+    goodbyes = [dht.store(progress_key(run_id), subkey=optimizer.tracker._local_public_key, value=None,
+                          expiration_time=get_dht_time() + optimizer.tracker.metadata_expiration,
+                          return_future=True)]
+    if reporter is not None:
+        goodbyes.append(reporter.withdraw())
+    deadline = time.monotonic() + GOODBYE_TIMEOUT_S
+    for goodbye in goodbyes:
+        try:
+            goodbye.result(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception as error:  # leaving anyway; the record then expires on its own
+            logger.debug("goodbye record not stored: %s", error)
     budget_s = max(1.0, stopper.seconds_left(UNHURRIED_SHUTDOWN_S) - SHUTDOWN_RESERVE_S)
     shutdown = threading.Thread(target=optimizer.shutdown, name="optimizer-shutdown", daemon=True)
     shutdown.start()
@@ -271,8 +277,7 @@ class Trainer:
                                                  config.swarm.client_mode, config.training.final_agreement_timeout_s)
         finally:
             watcher.stop()
-            self.reporter.leave()
-            leave_swarm(dht, optimizer, config.swarm.run_id, stopper)
+            leave_swarm(dht, optimizer, config.swarm.run_id, stopper, self.reporter)
         params_sha256 = parameters_sha256(model)
         result = TrainerResult(peer_id, optimizer.local_epoch, totals, params_sha256, stop.is_set())
         since_stop_s = stopper.seconds_since_request()

@@ -352,20 +352,28 @@ def test_identities_live_on_volumes_and_trainers_find_the_coordinator(compose, c
     assert len(state_volumes) == 1 + len(TRAINERS), "every peer needs a volume of its own for its identity"
 
 
-def test_prometheus_scrapes_the_trainers_metrics_ports(compose, commands):
+def test_prometheus_scrapes_every_peers_metrics_port(compose, commands):
     service = compose["services"]["prometheus"]
     config_path = next(arg.split("=", 1)[1] for arg in service["command"] if arg.startswith("--config.file="))
     assert mounts(service)[config_path] == ("../monitoring/prometheus.yml", "ro")
     prometheus = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
     static = {target for config in jobs["geotrain-compose"]["static_configs"] for target in config["targets"]}
-    assert static == {f"{name}:{commands[name].config.metrics.port}" for name in TRAINERS}
-    assert all(commands[name].config.metrics.host == "0.0.0.0" for name in TRAINERS)
+    peers = ["coordinator", *TRAINERS]
+    assert static == {f"{name}:{commands[name].config.metrics.port}" for name in peers}
+    assert all(commands[name].config.metrics.host == "0.0.0.0" for name in peers)
     # file-based discovery: targets/*.json relative to the config file, mounted where Prometheus resolves it
     file_sd = [pattern for config in jobs["geotrain"]["file_sd_configs"] for pattern in config["files"]]
     assert file_sd == ["targets/*.json"]
     targets_dir = str(PurePosixPath(config_path).parent / "targets")
     assert mounts(service)[targets_dir] == ("../monitoring/targets", "ro")
+    # rule_files and the console flags resolve to the mounted monitoring/ folders
+    for pattern in prometheus["rule_files"]:
+        folder = str(PurePosixPath(config_path).parent / PurePosixPath(pattern).parent)
+        assert mounts(service)[folder] == (f"../monitoring/{PurePosixPath(pattern).parent}", "ro")
+    flags = dict(arg.split("=", 1) for arg in service["command"] if "=" in arg)
+    assert mounts(service)[flags["--web.console.templates"]] == ("../monitoring/consoles", "ro")
+    assert mounts(service)[flags["--web.console.libraries"]] == ("../monitoring/console_libraries", "ro")
 
 
 def test_grafana_is_provisioned_with_the_datasource_and_dashboard(compose):
@@ -391,12 +399,20 @@ def test_grafana_is_provisioned_with_the_datasource_and_dashboard(compose):
 
 
 def exposed_metrics() -> tuple[set[str], set[str]]:
-    """Names and label names a geotrain trainer really exports."""
+    """Names and label names geotrain's trainers and coordinator really export (every optional series set)."""
     from prometheus_client import generate_latest
 
-    from geotrain.metrics import PeerMetrics
+    from geotrain.metrics import PeerMetrics, SwarmMetrics
 
-    text = generate_latest(PeerMetrics("run", "trainer").registry).decode()
+    peer = PeerMetrics("run", "trainer")
+    peer.labelled(peer.sent_bytes, destination_region="region").inc()
+    swarm = SwarmMetrics("run")
+    for gauge in (swarm.eta_seconds, swarm.cost_per_million_samples, swarm.egress_budget,
+                  swarm.checkpoint_last_success):
+        swarm.set_optional(gauge, 1.0)
+    swarm.labelled(swarm.peers, peer_region="region", peer_cloud="cloud").set(1)
+    swarm.labelled(swarm.egress_bytes_per_second, peer_region="region", destination_region="region").set(1)
+    text = generate_latest(peer.registry).decode() + generate_latest(swarm.registry).decode()
     names, labels = set(), set()
     for line in text.splitlines():
         if line and not line.startswith("#"):

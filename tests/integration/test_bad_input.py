@@ -42,7 +42,7 @@ def test_malformed_config_names_the_key(tmp_path, text, expected):
 def test_unknown_task_lists_the_choices():
     result = geotrain("peer", "--task", "chess", timeout_s=60)
     assert result.returncode == BAD_INPUT
-    assert "task.name" in result.stderr and "'cv', 'nlp' or 'asr'" in result.stderr
+    assert "task.name" in result.stderr and "'cv', 'nlp', 'asr'" in result.stderr
 
 
 def test_initial_peer_that_is_not_a_multiaddr():
@@ -72,3 +72,14 @@ def test_port_already_in_use(flag, what):
     assert result.returncode == JOIN_FAILED
     assert f"{what} {port} on 127.0.0.1 is already in use" in result.stderr, result.stderr
     assert flag in result.stderr
+
+
+def test_status_without_a_swarm_says_what_to_give():
+    missing = geotrain("status", "--once", timeout_s=60)
+    assert missing.returncode == BAD_INPUT
+    assert "--initial-peers" in missing.stderr
+    address = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{GHOST_PEER_ID}"
+    unreachable = geotrain("status", "--once", "--initial-peers", address, "--bootstrap-timeout", "10", timeout_s=120)
+    assert unreachable.returncode == JOIN_FAILED
+    assert "none of the initial peers answered" in unreachable.stderr or "no initial peer answered" in \
+        unreachable.stderr, unreachable.stderr
