@@ -3,6 +3,7 @@
     geotrain local --peers 3 --task cv --epochs 5        # a whole swarm on this machine
     geotrain coordinator --host 0.0.0.0 --port 31337     # the bootstrap peer on a durable VM
     geotrain peer --initial-peers /ip4/.../p2p/Qm...     # a trainer on any VM
+    geotrain status --initial-peers /ip4/.../p2p/Qm...   # a live table of the swarm
     geotrain plan --profile resnet50 --budget-usd-per-hour 10
 """
 
@@ -42,6 +43,7 @@ SWARM_FLAGS = {
     "--cloud": ("metrics.cloud", {"help": "label for metrics: this VM's cloud (aws, gcp, azure, ...)"}),
     "--instance-type": ("metrics.instance_type", {"help": "label for metrics: this VM's instance type"}),
 }
+STATUS_FLAGS = {flag: SWARM_FLAGS[flag] for flag in ("--run-id", "--initial-peers", "--bootstrap-timeout")}
 TRAINING_FLAGS = {
     "--task": ("task.name", {"help": "cv, nlp or asr"}),
     "--preset": ("task.preset", {"help": "model size preset, e.g. tiny, resnet50, roberta-base"}),
@@ -143,7 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--json", type=Path, metavar="PATH", help="write the run summary as JSON here")
     local.add_argument("--run-dir", type=Path, default=None, help="logs and events (default: runs/local-TIME)")
     local.add_argument("--metrics-base-port", type=int, default=None,
-                       help="serve peer i's metrics on this port + i (default: no metrics)")
+                       help="serve trainer i's metrics on this port + i, the coordinator's on this port + PEERS "
+                            "(default: no metrics; free ports with --prometheus)")
+    local.add_argument("--prometheus", action="store_true",
+                       help="start Prometheus (apt-get install prometheus) scraping every peer, with geotrain's "
+                            "alert rules and swarm console page; stopped with the swarm")
+    local.add_argument("--prometheus-port", type=int, default=None, metavar="PORT",
+                       help="Prometheus' port on 127.0.0.1 (default 9090; 0: any free port)")
+    local.add_argument("--prometheus-scrape-interval", type=float, default=None, metavar="SECONDS",
+                       help="how often Prometheus scrapes the peers (default 5)")
+
+    status = commands.add_parser("status", help="a live table of the swarm's peers, from the DHT (joins as a client)")
+    _add_common(status)
+    _add_config_flags(status, STATUS_FLAGS)
+    status.add_argument("--once", action="store_true", help="print the table once and exit")
+    status.add_argument("--json", action="store_true", help="print JSON (one object per refresh)")
+    status.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="refresh period (default 5)")
 
     from geotrain.planner.command import add_plan_arguments, add_profile_arguments, run_plan, run_profile
 
@@ -153,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     profile = commands.add_parser("profile", help="add a measured model profile for the planner")
     add_profile_arguments(profile)
     profile.set_defaults(handler=run_profile)
+
+    from geotrain.lab.command import add_lab_commands
+
+    add_lab_commands(commands)  # `geotrain lab up|down|status|run` and `geotrain bench`
     return parser
 
 
@@ -196,12 +217,43 @@ def run_local(args: argparse.Namespace) -> int:
         raise ConfigError("--peers: expected at least 1 trainer")
     if args.epochs < 1:
         raise ConfigError("--epochs: expected at least 1 epoch")
-    swarm = LocalSwarm(config, peers=args.peers, epochs=args.epochs, run_dir=args.run_dir,
-                       metrics_base_port=args.metrics_base_port)
+    prometheus_options = {}
+    for flag, key in (("--prometheus-port", "prometheus_port"), ("--prometheus-scrape-interval", "scrape_interval_s")):
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            if not args.prometheus:
+                raise ConfigError(f"{flag}: only with --prometheus")
+            prometheus_options[key] = value
+    if not 0 <= prometheus_options.get("prometheus_port", 0) <= 65535:
+        raise ConfigError("--prometheus-port: expected a TCP port (0 for any free port)")
+    if prometheus_options.get("scrape_interval_s", 1) <= 0:
+        raise ConfigError("--prometheus-scrape-interval: expected seconds > 0")
+    from geotrain.prometheus_server import PrometheusNotInstalled
+
+    try:
+        swarm = LocalSwarm(config, peers=args.peers, epochs=args.epochs, run_dir=args.run_dir,
+                           metrics_base_port=args.metrics_base_port, prometheus=args.prometheus,
+                           **prometheus_options)
+    except PrometheusNotInstalled as error:
+        print(f"geotrain local: --prometheus: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     return swarm.run(json_path=args.json)
 
 
-HANDLERS = {"peer": run_peer, "coordinator": run_coordinator, "local": run_local}
+def run_status_command(args: argparse.Namespace) -> int:
+    from geotrain.lifecycle import Stopper
+    from geotrain.status import run_status
+
+    config = config_from_args(args, [STATUS_FLAGS])
+    if not config.swarm.initial_peers:
+        raise ConfigError("--initial-peers: give the address of a peer of the swarm (the coordinator prints it)")
+    if args.interval <= 0:
+        raise ConfigError("--interval: expected a positive number of seconds")
+    stopper = Stopper().install_signal_handlers()
+    return run_status(config, once=args.once, as_json=args.json, interval_s=args.interval, stop=stopper.stop)
+
+
+HANDLERS = {"peer": run_peer, "coordinator": run_coordinator, "local": run_local, "status": run_status_command}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "log_level"):
         setup_logging(args.log_level, args.command)
     code = _run_handler(handler, args)
-    if args.command in ("peer", "coordinator"):
+    if args.command in ("peer", "coordinator", "status"):
         # hivemind's objects can crash the interpreter's teardown after their processes are gone;
         # everything worth keeping is flushed, so leave without running it.
         logging.shutdown()

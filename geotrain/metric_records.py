@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from hivemind.dht.schema import BytesWithPublicKey
 from pydantic.v1 import BaseModel, confloat, conint, conlist, constr

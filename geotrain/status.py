@@ -9,7 +9,8 @@ record (:mod:`geotrain.metric_records`) and redraws a table in place every few s
     PEER          ROLE         REGION        CLOUD  INSTANCE     SAMPLES/S  EPOCH  SENT MB  LAST SEEN
     12D3KooWAbc…  trainer      us-central1   gcp    n1-std-8+T4      410.2     42    812.4       3 s
 
-``--once`` prints one table and exits (for scripts); ``--json`` prints the rows as JSON.
+``--once`` prints one table and exits (for scripts; it looks twice, one publish period apart, since
+traffic rates and so egress cost need two records of each peer); ``--json`` prints the rows as JSON.
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ def run_status(config: GeotrainConfig, once: bool, as_json: bool, interval_s: fl
         records = read_records(dht, run_id)
         while not records and once and time.monotonic() < deadline and not stop.is_set():
             time.sleep(1.0)
+            records = read_records(dht, run_id)
+        if once and records and not stop.wait(config.metrics.publish_interval_s + 1.0):
+            # traffic rates (and so egress cost) need two records of each peer: look once more
+            view.update({owner: peer.record for owner, peer in records.items()})
             records = read_records(dht, run_id)
         while True:
             snapshot = view.update({owner: peer.record for owner, peer in records.items()})

@@ -11,6 +11,7 @@ Domains and their presets (:data:`PRESET_NAMES`):
 - ``cv``: image classification with timm models (``vision.py``).
 - ``nlp``: masked language modelling with RoBERTa models from transformers (``language.py``).
 - ``asr``: speech recognition, a Whisper-sized encoder with a CTC head on log-Mel features (``speech.py``).
+- ``emulated``: a GPU's compute emulated by sleeping, with real gradients of a model's size (``emulated.py``).
 
 Each domain module is imported only when its task is built, so a CV peer never loads transformers or
 torchaudio, and importing this package loads not even torch (the config reads :data:`PRESET_NAMES`).
@@ -35,6 +36,7 @@ _TASK_CLASSES: dict[str, tuple[str, str]] = {
     "cv": ("geotrain.tasks.vision", "VisionTask"),
     "nlp": ("geotrain.tasks.language", "LanguageTask"),
     "asr": ("geotrain.tasks.speech", "SpeechTask"),
+    "emulated": ("geotrain.tasks.emulated", "EmulatedTask"),
 }
 
 

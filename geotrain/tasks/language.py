@@ -26,7 +26,6 @@ document, RoBERTa's "full sentences" packing, so no position is padding).
 from __future__ import annotations
 
 import functools
-import itertools
 import random
 from dataclasses import dataclass
 from pathlib import Path

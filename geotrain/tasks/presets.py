@@ -7,11 +7,30 @@ architectures behind these names live in the domain modules (``vision``, ``langu
 
 from __future__ import annotations
 
+import re
+
+
+class EmulatedPresets(tuple):
+    """Presets of the ``emulated`` task: ``tiny``, or a planner profile's model ``PROFILE[@GPU][/DIVISOR]``.
+
+    ``convnext_large`` emulates ConvNextLarge on the profile's first GPU (a T4): 197.8M parameters and
+    the profile's seconds per sample; ``convnext_large@A10/80`` the same on an A10 with an 80 times
+    smaller model. Any planner profile name is accepted here; the task says so when it does not exist.
+    """
+
+    PATTERN = re.compile(r"^(?P<profile>[A-Za-z0-9_.-]+?)(?:@(?P<gpu>[A-Za-z0-9]+))?(?:/(?P<divisor>[1-9][0-9]*))?$")
+
+    def __contains__(self, preset: object) -> bool:
+        return isinstance(preset, str) and bool(self.PATTERN.match(preset))
+
+
 # "tiny" comes first in each: it is the default, trains on a laptop CPU, and is what tests and demos use.
 PRESET_NAMES: dict[str, tuple[str, ...]] = {
     "cv": ("tiny", "resnet18", "resnet50", "resnet152", "wide_resnet101_2", "convnext_large"),
     "nlp": ("tiny", "roberta-base", "roberta-large", "xlm-roberta-large"),
     "asr": ("tiny", "whisper-tiny", "whisper-base", "whisper-small"),
+    # compute emulated by sleeping a profile's GPU time (geotrain/tasks/emulated.py; used by `geotrain bench`)
+    "emulated": EmulatedPresets(("tiny", "convnext_large", "roberta_xlm", "PROFILE[@GPU][/DIVISOR]")),
 }
 
 # Parameter counts of the models trained in [EMJ24] (A. Erben, R. Mayer, H.-A. Jacobsen, "How Can We Train

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from geotrain.events import read_events
-from geotrain.processes import descendants, is_alive as alive
+from geotrain.processes import is_alive as alive
 
 # Small enough for 2 shared cores, large enough that an epoch takes a few seconds and peers meet in it.
 FAST_SWARM = ["--task", "cv", "--preset", "tiny", "--target-batch-size", "1024", "--batch-size", "32"]

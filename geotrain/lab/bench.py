@@ -1,0 +1,476 @@
+"""`geotrain bench`: a real swarm in the lab, measured next to the planner's prediction.
+
+    sudo geotrain bench --setup C-4 --profile convnext_large --json c4.json --plot c4.png
+
+``--setup C-4`` is [EMJ24]'s notation: the shipped topology ``C`` (US, EU, ASIA, AUS; Table 3's RTT and
+bandwidth) with 4 trainer VMs spread evenly over its regions. The bench brings up a lab of its own
+(``gtlabbench``), starts a bootstrap coordinator in the first region and the trainers in theirs, all
+with the geotrain CLI through ``geotrain lab run`` as a user would, trains a few epochs and takes the
+lab down again, also when interrupted.
+
+Compute is emulated (task ``emulated``, see geotrain/tasks/emulated.py): each micro-step sleeps what
+the profile's GPU needs for it and hands hivemind real gradients of the model's size. Two knobs keep
+a study of 200M-parameter models on 2 CPU cores and a few minutes:
+
+- ``--bandwidth-scale K`` divides every link's bandwidth and the model size by K: transfers take as
+  long as in the study, but the relay and hivemind move K times fewer bytes.
+- ``--time-scale J`` divides the target batch size and the model size by J: a round's compute and its
+  transfers both take J times less, so their ratio (the granularity) stays; latency and hivemind's
+  fixed costs per round do not shrink, which the report's planner prediction accounts for.
+
+Reported: swarm samples/s over the measured epochs (the first ``--warmup-epochs`` excluded), per-peer
+efficiency (swarm samples/s over N x one emulated GPU's samples/s), granularity (compute over
+communication time), averaging time per round next to the bandwidth bound 2·M·(N-1)/(N·B) of the
+slowest link, and the planner's prediction (geotrain.planner.model.evaluate) for the same scaled setup
+and for the unscaled [EMJ24] setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from geotrain.lab.topology import Link, Topology, load_topology, shipped_topologies
+
+BENCH_LAB = "gtlabbench"
+COORDINATOR_START_TIMEOUT_S = 90.0
+STOP_GRACE_S = 30.0
+SETUP = re.compile(r"^(?P<topology>[A-Za-z0-9_.-]+?)-(?P<peers>[1-9][0-9]*)$")
+
+
+class BenchError(ValueError):
+    """A benchmark request that cannot run; the message says what to change."""
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n\n")[0]
+    parser.add_argument("--setup", required=True,
+                        help=f"TOPOLOGY-PEERS, e.g. A-4, B-4, C-4 (shipped topologies: {', '.join(shipped_topologies())})")
+    parser.add_argument("--topology", help="topology YAML to use instead of the shipped one the setup names")
+    parser.add_argument("--profile", default="convnext_large", help="planner profile whose model and GPU speed "
+                                                                    "are emulated (default: %(default)s)")
+    parser.add_argument("--gpu", help="the profile's GPU to emulate (default: the first it lists, T4 for the "
+                                      "shipped ones)")
+    parser.add_argument("--bandwidth-scale", type=int, default=10, metavar="K",
+                        help="divide link bandwidths and the model size by K (default: %(default)s)")
+    parser.add_argument("--time-scale", type=int, default=8, metavar="J",
+                        help="divide the target batch size and the model size by J (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per micro-step (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs to train (default: %(default)s)")
+    parser.add_argument("--warmup-epochs", type=int, default=1,
+                        help="first epochs left out of the measurement: peers join (default: %(default)s)")
+    parser.add_argument("--network-profile", choices=("loopback", "lan", "continent", "intercontinental"),
+                        help="geotrain's timing profile (default: by the topology's largest RTT)")
+    parser.add_argument("--matchmaking-time", type=float, metavar="SECONDS",
+                        help="override the network profile's matchmaking time")
+    parser.add_argument("--overlap", action="store_true",
+                        help="delayed parameter updates: communication overlaps the next round's compute "
+                             "(default off, so the averaging time is measured)")
+    parser.add_argument("--lab", default=BENCH_LAB, help="lab name for the run (default: %(default)s)")
+    parser.add_argument("--run-dir", type=Path, help="logs and events (default: runs/bench-SETUP-TIME)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", type=Path, metavar="PATH", help="draw the results as a PNG")
+    parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                        help="stop the swarm after this long (default: %(default)s)")
+
+
+# --- the setup -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class BenchPlan:
+    setup: str
+    topology: Topology  # as emulated: peers spread, bandwidths divided by the bandwidth scale
+    full_topology: Topology  # as in the study
+    profile: object  # geotrain.planner.profiles.ModelProfile, unscaled
+    gpu: str
+    samples_per_second_per_gpu: float
+    bandwidth_scale: int
+    time_scale: int
+    parameters: int
+    target_batch_size: int
+    batch_size: int
+    epochs: int
+    warmup_epochs: int
+    network_profile: str
+    overlap: bool
+    matchmaking_time_s: float | None
+
+    @property
+    def preset(self) -> str:
+        return f"{self.profile.name}@{self.gpu}/{self.bandwidth_scale * self.time_scale}"
+
+    @property
+    def peers(self) -> int:
+        return self.topology.peers
+
+
+def scale_bandwidth(topology: Topology, scale: int) -> Topology:
+    def scaled(link: Link | None) -> Link | None:
+        return None if link is None else Link(link.latency_ms, link.bandwidth_mbit_s / scale)
+
+    return dataclasses.replace(topology, links={pair: scaled(link) for pair, link in topology.links.items()},
+                               within_region=scaled(topology.within_region))
+
+
+def default_network_profile(topology: Topology) -> str:
+    rtt_ms = max((link.rtt_ms for _, _, link in topology.used_links()), default=0.0)
+    if rtt_ms < 2:
+        return "lan"
+    return "continent" if rtt_ms < 40 else "intercontinental"
+
+
+def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
+    from geotrain.planner.profiles import load_profile
+
+    match = SETUP.match(args.setup)
+    if match is None:
+        raise BenchError(f"--setup {args.setup!r}: expected TOPOLOGY-PEERS, e.g. C-4 ([EMJ24]'s notation)")
+    for name in ("bandwidth_scale", "time_scale", "batch_size", "epochs"):
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')}: expected a whole number >= 1")
+    if not 0 <= args.warmup_epochs < args.epochs:
+        raise BenchError(f"--warmup-epochs {args.warmup_epochs}: expected 0 <= warmup < --epochs ({args.epochs})")
+    full = load_topology(args.topology or match["topology"]).with_peers(int(match["peers"]))
+    profile = load_profile(args.profile)
+    gpu = args.gpu or next(iter(profile.samples_per_second))
+    if gpu not in profile.samples_per_second:
+        raise BenchError(f"--gpu {gpu}: profile {profile.name} has no samples/s for it; expected one of "
+                         f"{', '.join(profile.samples_per_second)}")
+    divisor = args.bandwidth_scale * args.time_scale
+    target_batch_size = max(args.batch_size, profile.target_batch_size // args.time_scale)
+    return BenchPlan(
+        setup=args.setup, topology=scale_bandwidth(full, args.bandwidth_scale), full_topology=full, profile=profile,
+        gpu=gpu, samples_per_second_per_gpu=profile.samples_per_second[gpu], bandwidth_scale=args.bandwidth_scale,
+        time_scale=args.time_scale, parameters=max(1, profile.parameters // divisor),
+        target_batch_size=target_batch_size, batch_size=args.batch_size, epochs=args.epochs,
+        warmup_epochs=args.warmup_epochs, network_profile=args.network_profile or default_network_profile(full),
+        overlap=args.overlap, matchmaking_time_s=args.matchmaking_time)
+
+
+# --- the planner's view --------------------------------------------------------------------------
+
+def planner_prediction(topology: Topology, profile, gpu: str, parameters: int, target_batch_size: int,
+                       overlap: bool) -> dict:
+    """geotrain.planner.model.evaluate for one VM of ``gpu`` per peer in each region of ``topology``."""
+    from geotrain.planner.catalog import Offer
+    from geotrain.planner.egress import KINDS, EgressPrices
+    from geotrain.planner.model import Settings, evaluate
+    from geotrain.planner.network import load_network
+    from geotrain.planner.profiles import BYTES_PER_PARAMETER
+
+    scaled = dataclasses.replace(profile, parameters=parameters, target_batch_size=target_batch_size,
+                                 bytes_per_parameter=BYTES_PER_PARAMETER["fp16"])
+    counts = {Offer(cloud="lab", region=r.name, continent=r.continent or r.name, instance_type=f"{gpu}-vm", gpu=gpu,
+                    gpu_count=1, vcpus=None, price_usd_per_hour=0.0, spot=False, spot_interruption_rate=None,
+                    source="lab topology", line=0): r.peers for r in topology.regions if r.peers}
+    within = topology.within_region or Link(0.0, 1e6)
+    lines = ["scope,cloud_a,place_a,cloud_b,place_b,bandwidth_gbit_per_s,rtt_ms,source",
+             f"same-region,lab,*,lab,*,{within.bandwidth_mbit_s / 1000},{within.rtt_ms},lab within_region"]
+    for pair, link in topology.links.items():
+        a, b = sorted(pair)
+        lines.append(f"between-regions,lab,{a},lab,{b},{link.bandwidth_mbit_s / 1000},{link.rtt_ms},lab link")
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "network.csv"
+        path.write_text("\n".join(lines) + "\n")
+        network = load_network(path)
+    egress = EgressPrices(prices={("*", kind, "*"): 0.0 for kind in KINDS})
+    prediction = evaluate(counts, scaled, network, egress, Settings(overlap=overlap, spot_interruption_rate=0.0))
+    return {"samples_per_second": prediction.samples_per_second,
+            "compute_s_per_round": prediction.compute_s_per_round, "comm_s_per_round": prediction.comm_s_per_round,
+            "granularity": prediction.granularity, "bottleneck": prediction.bottleneck,
+            "hivemind_efficiency": profile.hivemind_efficiency, "round_overhead_s": profile.round_overhead_s}
+
+
+def bandwidth_bound_s(parameters: int, peers: int, topology: Topology) -> tuple[float | None, str]:
+    """2·M·(N-1)/(N·B): the all-reduce's transfer time over the slowest link in use (fp16 gradients)."""
+    links = topology.used_links()
+    if peers < 2 or not links:
+        return None, "one peer: nothing to average"
+    a, b, slowest = min(links, key=lambda item: item[2].bandwidth_mbit_s)
+    gradient_bytes = 2 * parameters
+    seconds = 2 * gradient_bytes * (peers - 1) / (peers * slowest.bandwidth_mbit_s * 1e6 / 8)
+    where = f"{a}-{b}" if a != b else f"within {a} (not emulated: one namespace)"
+    return seconds, f"{where}: {slowest.bandwidth_mbit_s:g} Mbit/s"
+
+
+# --- running the swarm ----------------------------------------------------------------------------
+
+class LabSwarm:
+    """A coordinator and trainers started with ``geotrain lab run`` in their regions."""
+
+    def __init__(self, plan: BenchPlan, lab: str, run_dir: Path):
+        self.plan = plan
+        self.lab = lab
+        self.run_dir = run_dir
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+
+    def _spawn(self, name: str, region: str, arguments: list[str]) -> subprocess.Popen:
+        log = open(self.run_dir / f"{name}.log", "w")
+        command = [sys.executable, "-m", "geotrain", "lab", "run", "--lab", self.lab, region, "--",
+                   sys.executable, "-m", "geotrain", *arguments]
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        log.close()
+        self.processes.append((name, process))
+        return process
+
+    def training_arguments(self) -> list[str]:
+        plan = self.plan
+        arguments = ["--task", "emulated", "--preset", plan.preset, "--target-batch-size", str(plan.target_batch_size),
+                     "--batch-size", str(plan.batch_size), "--network-profile", plan.network_profile,
+                     "--run-id", "bench", "--delayed-parameter-updates" if plan.overlap else
+                     "--no-delayed-parameter-updates"]
+        if plan.matchmaking_time_s is not None:
+            arguments += ["--matchmaking-time", str(plan.matchmaking_time_s)]
+        return arguments
+
+    def start(self, state: dict) -> list[Path]:
+        regions = state["regions"]
+        first = self.plan.topology.regions[0].name
+        peers_file = self.run_dir / "initial_peers.txt"
+        coordinator = self._spawn("coordinator", first, [
+            "coordinator", "--host", regions[first]["address"], "--port", "0", "--no-state",
+            "--state-dir", str(self.run_dir / "coordinator"), "--initial-peers-file", str(peers_file),
+            *self.training_arguments()])
+        deadline = time.monotonic() + COORDINATOR_START_TIMEOUT_S
+        while not peers_file.exists():
+            if coordinator.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"the coordinator did not come up; see {self.run_dir / 'coordinator.log'}")
+            time.sleep(0.2)
+        initial_peers = [a for a in peers_file.read_text().split() if regions[first]["address"] in a]
+        events = []
+        index = 0
+        for region in self.plan.topology.regions:
+            for _ in range(region.peers):
+                index += 1
+                path = self.run_dir / f"peer-{index}-{region.name}.jsonl"
+                arguments = ["peer", "--host", regions[region.name]["address"], "--port", "0", "--events", str(path),
+                             "--preemption", "none", "--data-seed", str(index), "--threads", "1",
+                             "--wait-for-peers", str(self.plan.peers), "--max-epochs", str(self.plan.epochs),
+                             "--region", region.name, *self.training_arguments()]
+                for address in initial_peers:
+                    arguments += ["--initial-peers", address]
+                self._spawn(f"peer-{index}-{region.name}", region.name, arguments)
+                events.append(path)
+        return events
+
+    def wait(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        trainers = [process for name, process in self.processes if name != "coordinator"]
+        while time.monotonic() < deadline:
+            if all(process.poll() is not None for process in trainers):
+                return True
+            time.sleep(1.0)
+        return False
+
+    def stop(self) -> None:
+        for group in ([p for n, p in self.processes if n != "coordinator"],
+                      [p for n, p in self.processes if n == "coordinator"]):
+            for process in group:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for process in group:
+                try:
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+
+
+# --- measurement ----------------------------------------------------------------------------------
+
+def measure(plan: BenchPlan, events_paths: list[Path]) -> dict:
+    """Swarm samples/s, per-round compute and communication over the measured epochs, from event files."""
+    from geotrain.events import read_events
+
+    per_peer = [read_events(path) for path in events_paths]
+    epochs = [[e for e in events if e["event"] == "epoch"] for events in per_peer]
+    finished = [next((e for e in events if e["event"] == "finished"), None) for events in per_peer]
+    reached = min((max((e["epoch"] for e in peer), default=0) for peer in epochs), default=0)
+    first, last = plan.warmup_epochs, reached
+    result = {"epochs_reached": reached, "measured_epochs": [first + 1, last] if last > first else None}
+    hashes = {(f or {}).get("params_sha256") for f in finished}
+    result["params_identical"] = len(hashes) == 1 and None not in hashes
+    if last <= first:
+        return result
+
+    def boundary(epoch: int) -> float:
+        if epoch == 0:
+            return min(e["time"] for events in per_peer for e in events if e["event"] == "training")
+        return min(e["time"] for peer in epochs for e in peer if e["epoch"] == epoch)
+
+    window = [e for peer in epochs for e in peer if first < e["epoch"] <= last]
+    wall_s = boundary(last) - boundary(first)
+    samples = sum(e["samples"] for e in window)
+    rounds = last - first
+    compute_s = sum(e["compute_s"] for e in window) / (rounds * len(events_paths))
+    comm_s = sum(e["comm_s"] for e in window) / (rounds * len(events_paths))
+    swarm = samples / wall_s
+    result.update({
+        "wall_s": wall_s, "samples": samples, "swarm_samples_per_second": swarm,
+        "per_peer_efficiency": swarm / (plan.peers * plan.samples_per_second_per_gpu),
+        "round_s": wall_s / rounds, "compute_s_per_round": compute_s, "comm_s_per_round": comm_s,
+        "granularity": compute_s / comm_s if comm_s > 0 else None,
+        "loss_first": _mean([e["loss"] for peer in epochs for e in peer if e["epoch"] == 1]),
+        "loss_last": _mean([e["loss"] for peer in epochs for e in peer if e["epoch"] == last]),
+    })
+    return result
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else None
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    from geotrain.lab import network
+
+    plan = plan_benchmark(args)
+    network.require_lab_support("up")
+    run_dir = args.run_dir or Path("runs") / time.strftime(f"bench-{plan.setup}-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"geotrain bench {plan.setup}: {plan.peers} trainers in {', '.join(f'{r.name} x{r.peers}' for r in plan.topology.regions)}; "
+          f"emulated {plan.preset} ({plan.parameters:,} parameters, {plan.samples_per_second_per_gpu:g} samples/s "
+          f"per {plan.gpu}); target batch {plan.target_batch_size}; bandwidth / {plan.bandwidth_scale}, model / "
+          f"{plan.bandwidth_scale * plan.time_scale}; logs in {run_dir}", flush=True)
+    network.up(plan.topology, args.lab)
+    swarm = LabSwarm(plan, args.lab, run_dir)
+    started = time.time()
+    try:
+        state = network.require_state(args.lab)
+        events = swarm.start(state)
+        completed = swarm.wait(args.timeout)
+    finally:
+        swarm.stop()
+        network.down(args.lab)
+    measured = measure(plan, events)
+    result = report(plan, measured, completed, run_dir, time.time() - started)
+    print(format_report(result), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"results written to {args.json}", flush=True)
+    if args.plot:
+        plot_results([result], args.plot)
+        print(f"plot written to {args.plot}", flush=True)
+    return 0 if completed and measured.get("swarm_samples_per_second") else 1
+
+
+def report(plan: BenchPlan, measured: dict, completed: bool, run_dir: Path, elapsed_s: float) -> dict:
+    bound_s, bound_link = bandwidth_bound_s(plan.parameters, plan.peers, plan.topology)
+    return {
+        "setup": plan.setup,
+        "topology": plan.full_topology.to_dict(),
+        "peers": plan.peers,
+        "profile": plan.profile.name,
+        "gpu": plan.gpu,
+        "emulated": {
+            "preset": plan.preset,
+            "parameters": plan.parameters,
+            "samples_per_second_per_gpu": plan.samples_per_second_per_gpu,
+            "bandwidth_scale": plan.bandwidth_scale,
+            "time_scale": plan.time_scale,
+            "note": (f"compute emulated: each micro-step sleeps batch / {plan.samples_per_second_per_gpu:g} s (the "
+                     f"profile's {plan.gpu}); bandwidths divided by {plan.bandwidth_scale}, target batch by "
+                     f"{plan.time_scale}, model by {plan.bandwidth_scale * plan.time_scale}; latencies as in the study"),
+        },
+        "target_batch_size": plan.target_batch_size,
+        "batch_size": plan.batch_size,
+        "epochs": plan.epochs,
+        "warmup_epochs": plan.warmup_epochs,
+        "network_profile": plan.network_profile,
+        "overlap": plan.overlap,
+        "completed": completed,
+        "measured": measured,
+        "bandwidth_bound_s": bound_s,
+        "bandwidth_bound_link": bound_link,
+        "planner": planner_prediction(plan.topology, plan.profile, plan.gpu, plan.parameters, plan.target_batch_size,
+                                      plan.overlap),
+        "planner_full_scale": planner_prediction(plan.full_topology, plan.profile, plan.gpu, plan.profile.parameters,
+                                                 plan.profile.target_batch_size, plan.overlap),
+        "run_dir": str(run_dir),
+        "elapsed_s": elapsed_s,
+        "machine": {"cpus": os.cpu_count()},
+    }
+
+
+def format_report(result: dict) -> str:
+    m, p = result["measured"], result["planner"]
+
+    def number(value, digits=1):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [f"{result['setup']}: {result['peers']} peers, {result['emulated']['note']}"]
+    if "swarm_samples_per_second" not in m:
+        lines.append(f"no measurement: the swarm reached epoch {m['epochs_reached']} of {result['epochs']}")
+        return "\n".join(lines)
+    lines += [
+        f"{'':<28} {'measured':>10} {'planner':>10}",
+        f"{'swarm samples/s':<28} {number(m['swarm_samples_per_second']):>10} {number(p['samples_per_second']):>10}",
+        f"{'per-peer efficiency':<28} {number(m['per_peer_efficiency'], 2):>10} "
+        f"{number(p['samples_per_second'] / (result['peers'] * result['emulated']['samples_per_second_per_gpu']), 2):>10}",
+        f"{'granularity':<28} {number(m['granularity'], 2):>10} {number(p['granularity'], 2):>10}",
+        f"{'compute s per round':<28} {number(m['compute_s_per_round']):>10} {number(p['compute_s_per_round']):>10}",
+        f"{'averaging s per round':<28} {number(m['comm_s_per_round']):>10} {number(p['comm_s_per_round']):>10}",
+        f"bandwidth bound 2M(N-1)/(NB): {number(result['bandwidth_bound_s'], 2)} s ({result['bandwidth_bound_link']})",
+        f"epochs {m['measured_epochs'][0]}-{m['measured_epochs'][1]} measured; parameters identical on every peer: "
+        + ("yes" if m["params_identical"] else "NO"),
+    ]
+    return "\n".join(lines)
+
+
+def plot_results(results: list[dict], path: Path) -> None:
+    """Swarm samples/s and per-round time split, measured next to the planner, one group per setup."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [r for r in results if "swarm_samples_per_second" in r["measured"]]
+    setups = [r["setup"] for r in results]
+    positions = range(len(results))
+    figure, (rate_axis, time_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.38
+    rate_axis.bar([x - width / 2 for x in positions], [r["measured"]["swarm_samples_per_second"] for r in results],
+                  width, label="measured in the lab")
+    rate_axis.bar([x + width / 2 for x in positions], [r["planner"]["samples_per_second"] for r in results],
+                  width, label="planner prediction")
+    rate_axis.set_xticks(list(positions), setups)
+    rate_axis.set_ylabel("swarm samples/s")
+    rate_axis.set_title("throughput")
+    rate_axis.legend(fontsize=8)
+    for offset, key, label in ((-width / 2, "measured", "lab"), (width / 2, "planner", "planner")):
+        compute = [r[key]["compute_s_per_round"] for r in results]
+        comm = [r[key]["comm_s_per_round"] for r in results]
+        xs = [x + offset for x in positions]
+        time_axis.bar(xs, compute, width, label=f"compute ({label})", alpha=0.9 if key == "measured" else 0.5,
+                      color="tab:blue")
+        time_axis.bar(xs, comm, width, bottom=compute, label=f"averaging ({label})",
+                      alpha=0.9 if key == "measured" else 0.5, color="tab:orange")
+    bounds = [r["bandwidth_bound_s"] for r in results]
+    time_axis.scatter([x - width / 2 for x in positions],
+                      [r["measured"]["compute_s_per_round"] + (b or 0) for r, b in zip(results, bounds)],
+                      marker="_", s=300, color="black", label="compute + bandwidth bound")
+    time_axis.set_xticks(list(positions), setups)
+    time_axis.set_ylabel("seconds per averaging round (per peer)")
+    time_axis.set_title("round time: left measured, right planner")
+    time_axis.legend(fontsize=7)
+    first = results[0]["emulated"] if results else {}
+    figure.suptitle(f"geotrain bench: emulated {results[0]['profile'] if results else ''} on "
+                    f"{results[0]['gpu'] if results else ''}, bandwidth / {first.get('bandwidth_scale')}, "
+                    f"target batch / {first.get('time_scale')}", fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

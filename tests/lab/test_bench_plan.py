@@ -1,0 +1,53 @@
+"""What `geotrain bench` will run and compare against, before any lab exists (no root needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from geotrain.lab.bench import BenchError, add_bench_arguments, bandwidth_bound_s, plan_benchmark, planner_prediction
+
+
+def _plan(*arguments: str):
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    return plan_benchmark(parser.parse_args(list(arguments)))
+
+
+def test_c4_scales_model_bandwidth_and_batch_together():
+    plan = _plan("--setup", "C-4", "--profile", "convnext_large", "--bandwidth-scale", "10", "--time-scale", "8")
+    assert [r.peers for r in plan.topology.regions] == [1, 1, 1, 1]
+    assert plan.parameters == 197_800_000 // 80
+    assert plan.target_batch_size == 32768 // 8
+    assert plan.topology.link("eu", "aus").bandwidth_mbit_s == pytest.approx(7.0)  # [EMJ24] 70 Mbit/s / 10
+    assert plan.topology.link("eu", "aus").latency_ms == plan.full_topology.link("eu", "aus").latency_ms
+    assert plan.network_profile == "intercontinental"
+    assert plan.preset == "convnext_large@T4/80"
+
+
+def test_bandwidth_bound_is_the_all_reduce_over_the_slowest_link():
+    plan = _plan("--setup", "C-4")
+    seconds, link = bandwidth_bound_s(plan.parameters, plan.peers, plan.topology)
+    gradient_bytes = 2 * plan.parameters  # fp16
+    assert seconds == pytest.approx(2 * gradient_bytes * 3 / (4 * 7.0e6 / 8))
+    assert link.startswith("eu-aus")
+
+
+def test_scaling_keeps_the_planners_transfer_time():
+    plan = _plan("--setup", "B-4", "--time-scale", "1")
+    scaled = planner_prediction(plan.topology, plan.profile, plan.gpu, plan.parameters, plan.target_batch_size, False)
+    full = planner_prediction(plan.full_topology, plan.profile, plan.gpu, plan.profile.parameters,
+                              plan.profile.target_batch_size, False)
+    assert scaled["comm_s_per_round"] == pytest.approx(full["comm_s_per_round"], rel=1e-6)
+    assert scaled["samples_per_second"] == pytest.approx(full["samples_per_second"], rel=1e-6)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--setup", "C4"], r"expected TOPOLOGY-PEERS, e.g. C-4"),
+    (["--setup", "C-4", "--epochs", "2", "--warmup-epochs", "2"], r"expected 0 <= warmup < --epochs"),
+    (["--setup", "C-4", "--gpu", "H100"], r"no samples/s for it; expected one of T4, A10, 8xV100"),
+])
+def test_bad_requests_are_explained(arguments, message):
+    with pytest.raises(BenchError, match=message):
+        _plan(*arguments)

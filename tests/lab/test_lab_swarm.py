@@ -1,0 +1,98 @@
+"""A swarm across two emulated regions trains to identical parameters (needs root).
+
+The coordinator and one trainer run in region ``west``, the other trainer in ``east``, 25 ms one-way
+apart at 50 Mbit/s; every peer is started with the geotrain CLI through `geotrain lab run`, as a user
+would. Compute is the ``emulated`` task's tiny preset (5 ms per sample, real gradients), which keeps
+the test short on 2 busy cores; an epoch still takes seconds, so the trainers meet within it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import geotrain, needs_lab
+from geotrain.events import read_events
+
+pytestmark = needs_lab
+
+EPOCHS = 3
+TOPOLOGY = """
+name: two-regions
+regions: {west: {peers: 1}, east: {peers: 1}}
+links:
+  west-east: {latency_ms: 25, bandwidth_mbit_s: 50}
+"""
+ADDRESSES = {"west": "10.77.1.2", "east": "10.77.2.2"}
+TRAINING = ["--task", "emulated", "--preset", "tiny", "--target-batch-size", "2048", "--batch-size", "32",
+            "--network-profile", "continent", "--run-id", "lab-test", "--lr", "0.1"]
+
+
+def _spawn(lab: str, region: str, log_path, *arguments: str) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "geotrain", "lab", "run", "--lab", lab, region, "--",
+                                 sys.executable, "-m", "geotrain", *arguments], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def test_two_regions_train_to_identical_parameters(make_lab, tmp_path):
+    lab = make_lab("gtlabtswarm")
+    lab.up(TOPOLOGY)
+    processes = []
+    try:
+        peers_file = tmp_path / "initial_peers.txt"
+        processes.append(_spawn(lab.name, "west", tmp_path / "coordinator.log", "coordinator", "--host",
+                                ADDRESSES["west"], "--port", "0", "--no-state", "--state-dir", str(tmp_path / "coord"),
+                                "--initial-peers-file", str(peers_file), *TRAINING))
+        _wait_for(peers_file.exists, 90, "the coordinator's address")
+        initial_peers = [a for a in peers_file.read_text().split() if ADDRESSES["west"] in a]
+        events = {}
+        for index, region in enumerate(ADDRESSES, start=1):
+            events[region] = tmp_path / f"{region}.jsonl"
+            arguments = ["peer", "--host", ADDRESSES[region], "--port", "0", "--events", str(events[region]),
+                         "--preemption", "none", "--data-seed", str(index), "--threads", "1", "--wait-for-peers", "2",
+                         "--max-epochs", str(EPOCHS), *TRAINING]
+            for address in initial_peers:
+                arguments += ["--initial-peers", address]
+            processes.append(_spawn(lab.name, region, tmp_path / f"{region}.log", *arguments))
+        for process in processes[1:]:
+            process.wait(timeout=150)
+        logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace")[-3000:] for name in ADDRESSES}
+        assert [p.returncode for p in processes[1:]] == [0, 0], logs
+
+        finished = {region: next(e for e in read_events(path) if e["event"] == "finished")
+                    for region, path in events.items()}
+        assert [f["epoch"] for f in finished.values()] == [EPOCHS, EPOCHS]
+        hashes = {f["params_sha256"] for f in finished.values()}
+        assert len(hashes) == 1, f"parameters differ between the regions: {hashes}"
+        losses = [[e["loss"] for e in read_events(path) if e["event"] == "epoch"] for path in events.values()]
+        assert all(loss[-1] < loss[0] for loss in losses), f"the loss did not fall: {losses}"
+
+        # the gradients crossed the emulated link: at least one fp16 copy of the model each way
+        status = geotrain("lab", "status", "--lab", lab.name, "--json")
+        pipes = json.loads(status.stdout)["relay_stats"]["pipes"]
+        model_bytes_fp16 = 2 * 65_536
+        assert pipes["1->2"]["bytes"] > model_bytes_fp16 and pipes["2->1"]["bytes"] > model_bytes_fp16
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
