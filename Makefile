@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit integration bench clean
+.PHONY: demo test unit integration bench lab-bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ integration: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/trainer_overhead.py --output benchmarks/results/trainer_overhead.json
+
+# [EMJ24] setups A-4, B-4, C-4 in the lab (needs root: network namespaces); about 10 minutes
+lab-bench: $(STAMP)
+	$(BIN)/python benchmarks/lab_bench.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -5,6 +5,8 @@
     geotrain peer --initial-peers /ip4/.../p2p/Qm...     # a trainer on any VM
     geotrain status --initial-peers /ip4/.../p2p/Qm...   # a live table of the swarm
     geotrain plan --profile resnet50 --budget-usd-per-hour 10
+    geotrain lab up --topology C                         # emulated regions on this machine (root)
+    geotrain bench --setup C-4                           # a swarm measured in the lab (root)
 """
 
 from __future__ import annotations
