@@ -38,6 +38,7 @@ class _Metrics:
         self.registry = CollectorRegistry()
         self._labels = {"run_id": run_id, "role": role, "region": config.region, "cloud": config.cloud,
                         "instance_type": config.instance_type}
+        self._series: dict[int, set[tuple[str, ...]]] = {}  # gauge -> extra-label values it has series for
 
     def _gauge(self, name: str, documentation: str, extra: tuple[str, ...] = (), optional: bool = False):
         """A gauge of this peer; with ``extra`` labels or ``optional`` (absent until set) the labelled parent."""
@@ -54,6 +55,17 @@ class _Metrics:
             gauge.clear()
         else:
             gauge.labels(**self._labels).set(value)
+
+    def set_series(self, gauge, names: tuple[str, ...], values: dict[tuple[str, ...], float]) -> None:
+        """Make a gauge's series (by its extra labels) exactly ``values``: set the new, remove the gone.
+
+        Series are replaced one by one, never cleared first, so a scrape in between sees no gap.
+        """
+        for key, value in values.items():
+            self.labelled(gauge, **dict(zip(names, key))).set(value)
+        for key in self._series.get(id(gauge), set()) - values.keys():
+            gauge.remove(*self._labels.values(), *key)
+        self._series[id(gauge)] = set(values)
 
     def labelled(self, metric, **extra):
         """The child of a metric with extra labels (e.g. destination_region), this peer's labels included."""

@@ -137,9 +137,7 @@ def export(snapshot: SwarmSnapshot, metrics, cost: CostConfig) -> None:
     if snapshot.granularity is not None:
         metrics.granularity.set(snapshot.granularity)
     metrics.set_optional(metrics.eta_seconds, snapshot.eta_seconds)
-    metrics.peers.clear()
-    for (region, cloud), count in snapshot.peers_by_place.items():
-        metrics.labelled(metrics.peers, peer_region=region, peer_cloud=cloud).set(count)
+    metrics.set_series(metrics.peers, ("peer_region", "peer_cloud"), snapshot.peers_by_place)
     metrics.peer_joins.inc(snapshot.joined)
     metrics.peer_departures.inc(snapshot.departed)
     metrics.instance_cost.set(snapshot.instance_usd_per_hour)
@@ -147,7 +145,6 @@ def export(snapshot: SwarmSnapshot, metrics, cost: CostConfig) -> None:
     metrics.cost.set(snapshot.usd_per_hour)
     metrics.set_optional(metrics.cost_per_million_samples, snapshot.usd_per_million_samples)
     metrics.unpriced_peers.set(snapshot.unpriced_peers)
-    metrics.egress_bytes_per_second.clear()
-    for (source, destination), rate in snapshot.egress_bytes_per_second.items():
-        metrics.labelled(metrics.egress_bytes_per_second, peer_region=source, destination_region=destination).set(rate)
+    metrics.set_series(metrics.egress_bytes_per_second, ("peer_region", "destination_region"),
+                       snapshot.egress_bytes_per_second)
     metrics.set_optional(metrics.egress_budget, cost.egress_budget_usd_per_hour)

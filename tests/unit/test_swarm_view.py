@@ -92,3 +92,25 @@ def test_a_wrong_price_table_is_a_clear_config_error(tmp_path):
         load_config(path)
     assert "cost.instance_usd_per_hour" in str(error.value)
     assert "cost.egress_usd_per_gb.0.usd_per_gb" in str(error.value)
+
+
+def test_exported_series_follow_the_swarm():
+    from prometheus_client import generate_latest
+
+    from geotrain.metrics import SwarmMetrics
+    from geotrain.swarm_view import export
+
+    def series(metrics) -> list[str]:
+        return [line for line in generate_latest(metrics.registry).decode().splitlines()
+                if line.startswith(("geotrain_swarm_peers{", "geotrain_swarm_eta_seconds",
+                                    "geotrain_swarm_cost_dollars_per_million_samples"))]
+
+    metrics, cost = SwarmMetrics("run"), CostConfig()
+    view = SwarmView(cost, target_batch_size=1000, target_epoch=10)
+    export(view.update({"a": record("a", "us"), "b": record("b", "eu")}), metrics, cost)
+    assert len(series(metrics)) == 4  # us, eu, an ETA, a cost per 1M samples
+    export(view.update({"b": record("b", "eu")}), metrics, cost)
+    assert [line for line in series(metrics) if "peers" in line] == [
+        next(line for line in series(metrics) if 'peer_region="eu"' in line)]
+    export(view.update({}), metrics, cost)  # nobody left: no region, no ETA, no cost per sample
+    assert series(metrics) == []
