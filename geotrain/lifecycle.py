@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import faulthandler
 import os
 import signal
 import threading
@@ -97,7 +98,9 @@ class Stopper:
         return time.monotonic() - self.requested_monotonic_s
 
     def _deadline_passed(self, deadline_s: float) -> None:
-        logger.warning("clean shutdown took over %.0f s; stopping hivemind's processes", deadline_s)
+        logger.warning("clean shutdown took over %.0f s; stopping hivemind's processes (where each thread "
+                       "was stuck follows)", deadline_s)
+        faulthandler.dump_traceback(all_threads=True)  # to stderr: what to report if this happens again
         self._force_exit()
 
     def _force_exit(self) -> None:

@@ -155,19 +155,23 @@ GOODBYE_TIMEOUT_S = 2.0
 def leave_swarm(dht, optimizer, run_id: str, stopper: Stopper, reporter=None) -> None:
     """Say goodbye, shut the optimizer down within the stop's deadline, then the DHT node.
 
-    The goodbye goes first: hivemind's tracker publishes an empty progress record on shutdown without
-    waiting for it, and once the averagers are gone the DHT node can spend seconds on their dangling
-    requests, so a record stored after them can come too late. With it, the others stop counting on
-    this peer's samples at once. The optimizer's shutdown gets what is left of the deadline: in a round
-    that already started it tags along with zero weight, so the round completes for the others. (hivemind
-    offers no way to hand in a partial accumulation outside a round; those samples are lost, and the
-    swarm's epoch is filled by the others.) The metric record is withdrawn at the same time as the goodbye,
-    so the swarm view drops this peer at once too.
+    The goodbye (an empty progress record) goes first, right after hivemind's progress reports are
+    stopped: the tracker publishes an empty record on shutdown without waiting for it, and once the
+    averagers are gone the DHT node can spend seconds on their dangling requests, so a record stored after
+    them can come too late. With it, the others stop counting on this peer's samples at once. The metric
+    record is withdrawn at the same time, so the swarm view drops this peer at once too. The optimizer's
+    shutdown gets what is left of the deadline: in a round that already started it tags along with zero
+    weight, so the round completes for the others. (hivemind offers no way to hand in a partial
+    accumulation outside a round; those samples are lost, and the swarm's epoch is filled by the others.)
     """
     from hivemind.utils import get_dht_time
 
     from geotrain.swarm import progress_key
 
+    # hivemind's tracker reports progress in the background, and once more when it is shut down: stop it
+    # first, or that last report (stored after the goodbye, so with a later expiration) revives this peer
+    # for the others until it expires, and they wait for it in matchmaking
+    optimizer.tracker.shutdown(timeout=GOODBYE_TIMEOUT_S)
     goodbyes = [dht.store(progress_key(run_id), subkey=optimizer.tracker._local_public_key, value=None,
                           expiration_time=get_dht_time() + optimizer.tracker.metadata_expiration,
                           return_future=True)]
