@@ -83,7 +83,7 @@ class MetricsReporter(threading.Thread):
     def report_once(self) -> None:
         from hivemind.utils import get_dht_time
 
-        self._count_traffic()
+        self.count_traffic()
         progress = self.progress
         record = MetricRecord(
             peer_id=self.peer_id, role=self.role, region=self.config.region, cloud=self.config.cloud,
@@ -96,7 +96,8 @@ class MetricsReporter(threading.Thread):
             addresses=self.addresses)
         publish(self.dht, self.run_id, record, self.ttl_s)
 
-    def _count_traffic(self) -> None:
+    def count_traffic(self) -> None:
+        """Attribute the bytes sent and received since the last call (also called once more when leaving)."""
         totals = self.meter.sample()
         region_of_address = {address: peer.record.region for peer in read_records(self.dht, self.run_id).values()
                              for address in peer.record.addresses}

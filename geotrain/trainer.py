@@ -281,6 +281,10 @@ class Trainer:
                                                  config.swarm.client_mode, config.training.final_agreement_timeout_s)
         finally:
             watcher.stop()
+            try:
+                self.reporter.count_traffic()  # the run's last bytes, for the finished event
+            except Exception as error:
+                logger.debug("traffic not counted at the end: %s", error)
             leave_swarm(dht, optimizer, config.swarm.run_id, stopper, self.reporter)
         params_sha256 = parameters_sha256(model)
         result = TrainerResult(peer_id, optimizer.local_epoch, totals, params_sha256, stop.is_set())
@@ -288,6 +292,8 @@ class Trainer:
         self.events.write("finished", peer_id=peer_id, epoch=result.epoch, samples=totals.samples,
                           compute_s=totals.compute_s, comm_s=totals.comm_s, params_sha256=params_sha256,
                           final_state_agreed=agreed, stopped_by_request=result.stopped_by_request,
+                          sent_bytes_by_region=self.reporter.sent_bytes_by_region,
+                          received_bytes=self.reporter.received_bytes_total,
                           stop_reason=stopper.reason, seconds_since_stop_request=since_stop_s)
         logger.info("left the swarm at epoch %d after %d samples%s (parameters sha256 %s)",
                     result.epoch, totals.samples,
