@@ -18,6 +18,7 @@ import time
 
 from conftest import geotrain, needs_lab
 from geotrain.events import read_events
+from geotrain.lab.relay import STATS_EVERY_S
 
 pytestmark = needs_lab
 
@@ -84,6 +85,7 @@ def test_two_regions_train_to_identical_parameters(make_lab, tmp_path):
         assert all(loss[-1] < loss[0] for loss in losses), f"the loss did not fall: {losses}"
 
         # the gradients crossed the emulated link: at least one fp16 copy of the model each way
+        time.sleep(STATS_EVERY_S + 0.5)  # the relay writes its counters every 2 s
         status = geotrain("lab", "status", "--lab", lab.name, "--json")
         pipes = json.loads(status.stdout)["relay_stats"]["pipes"]
         model_bytes_fp16 = 2 * 65_536
@@ -92,12 +94,13 @@ def test_two_regions_train_to_identical_parameters(make_lab, tmp_path):
         # What the east trainer measured it sent (its p2pd sockets' TCP counters, attributed by the records'
         # addresses) is what crossed the emulated link east->west, which the relay counted. The relay counts
         # whole IP packets (headers and ACKs too), the trainer TCP payload up to its last sample before it
-        # leaves: measured runs gave 0.82-0.92 of the relay's bytes. An estimate from the model size, or
-        # counting other sockets or both ends of a connection, would fall far outside these bounds.
+        # leaves (and bytes_sent counts what TCP sent, retransmissions included): measured runs gave 0.82-1.10
+        # of the relay's bytes. An estimate from the model size, or counting other sockets or both ends of a
+        # connection, would fall far outside these bounds.
         sent = finished["east"]["sent_bytes_by_region"]
         assert sent.get("west", 0) >= 0.9 * sum(sent.values()), f"bytes not attributed to west: {sent}"
         ratio = sum(sent.values()) / pipes["2->1"]["bytes"]
-        assert 0.7 <= ratio <= 1.02, f"east measured {sent}, the relay carried {pipes['2->1']} east->west"
+        assert 0.7 <= ratio <= 1.25, f"east measured {sent}, the relay carried {pipes['2->1']} east->west"
     finally:
         for process in processes:
             if process.poll() is None:
