@@ -16,19 +16,12 @@ from pathlib import Path
 import pytest
 
 from geotrain.events import read_events
+from geotrain.prometheus_server import free_ports
 from swarm_helpers import FAST_SWARM, Swarm, geotrain, processes_mentioning, wait_for
 
 RUN_ID = "metrics-test"
 PUBLISH = ["--set", "metrics.publish_interval_s=1", "--run-id", RUN_ID]
 ATTACKER = Path(__file__).with_name("metric_attacker.py")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -59,7 +52,7 @@ def value(samples: dict[str, float], name: str, **labels: str) -> float:
 def two_region_swarm(tmp_path_factory):
     directory = tmp_path_factory.mktemp("swarm-metrics")
     swarm = Swarm(directory)
-    ports = {"coordinator": free_port(), "us": free_port(), "eu": free_port()}
+    ports = dict(zip(("coordinator", "us", "eu"), free_ports(3)))  # distinct, unlike three separate looks
     try:
         swarm.start_coordinator("--no-state", "--metrics-port", str(ports["coordinator"]), *PUBLISH)
         for region in ("us", "eu"):

@@ -110,7 +110,7 @@ def test_exported_series_follow_the_swarm():
     export(view.update({"a": record("a", "us"), "b": record("b", "eu")}), metrics, cost)
     assert len(series(metrics)) == 4  # us, eu, an ETA, a cost per 1M samples
     export(view.update({"b": record("b", "eu")}), metrics, cost)
-    assert [line for line in series(metrics) if "peers" in line] == [
-        next(line for line in series(metrics) if 'peer_region="eu"' in line)]
+    peers = [line for line in series(metrics) if line.startswith("geotrain_swarm_peers{")]
+    assert len(peers) == 1 and 'peer_region="eu"' in peers[0]  # the us series is gone, not left at its last value
     export(view.update({}), metrics, cost)  # nobody left: no region, no ETA, no cost per sample
     assert series(metrics) == []
