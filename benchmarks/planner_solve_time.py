@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from geotrain.planner.catalog import Offer  # noqa: E402
-from geotrain.planner.egress import load_egress  # noqa: E402
+from geotrain.pricing.catalog import Offer  # noqa: E402
+from geotrain.pricing.egress import load_egress  # noqa: E402
 from geotrain.planner.model import Settings  # noqa: E402
 from geotrain.planner.network import load_network  # noqa: E402
 from geotrain.planner.profiles import ModelProfile  # noqa: E402

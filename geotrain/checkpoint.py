@@ -93,6 +93,7 @@ class CheckpointInfo:
     created_unix_s: float
     config_sha256: str  # of the config YAML text the checkpoint belongs to
     path: str  # the data file on the local disk (one restored from the mirror is downloaded there first)
+    config_yaml: str = ""  # the config the checkpoint belongs to, as the coordinator that wrote it resolved it
 
 
 class CheckpointError(RuntimeError):
@@ -201,7 +202,7 @@ def _info_from_manifest(manifest: dict[str, Any], path: str) -> CheckpointInfo:
     return CheckpointInfo(version=manifest["version"], epoch=manifest["epoch"], samples_seen=manifest["samples_seen"],
                           sha256=manifest["sha256"], size_bytes=manifest["size_bytes"],
                           created_unix_s=float(manifest["created_unix_s"]), config_sha256=manifest["config_sha256"],
-                          path=path)
+                          path=path, config_yaml=str(manifest.get("config_yaml", "")))
 
 
 def _verify_data_file(path: Path, manifest: dict[str, Any], where: str) -> None:

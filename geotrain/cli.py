@@ -4,7 +4,7 @@
     geotrain coordinator --host 0.0.0.0 --port 31337     # the bootstrap peer on a durable VM
     geotrain peer --initial-peers /ip4/.../p2p/Qm...     # a trainer on any VM
     geotrain status --initial-peers /ip4/.../p2p/Qm...   # a live table of the swarm
-    geotrain plan --profile resnet50 --budget-usd-per-hour 10
+    geotrain plan --profile convnext_large --budget-usd-per-hour 10
     geotrain lab up --topology C                         # emulated regions on this machine (root)
     geotrain bench --setup C-4                           # a swarm measured in the lab (root)
 """
@@ -19,12 +19,17 @@ import warnings
 from pathlib import Path
 
 from geotrain.config import ConfigError, GeotrainConfig, load_config
+from geotrain.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED, SwarmUnreachableError, UserError
+from geotrain.lab.command import add_lab_commands
+from geotrain.lifecycle import Stopper
+from geotrain.local import LocalSwarm
+from geotrain.planner.command import add_plan_arguments, add_profile_arguments, run_plan, run_profile
+from geotrain.processes import kill_descendants
+from geotrain.telemetry.prometheus_server import PrometheusNotInstalled
 
-EXIT_OK = 0
-EXIT_UNEXPECTED = 1
-EXIT_BAD_INPUT = 2
-EXIT_SWARM_JOIN_FAILED = 3
-# a trainer that left because of a preemption notice exits with geotrain.preemption.EXIT_PREEMPTED (75)
+# Commands that train or join a swarm import torch and hivemind when they run (see run_peer and friends),
+# so that `geotrain plan`, `geotrain lab up` and `geotrain local` start instantly and need neither.
+# A trainer that left because of a preemption notice exits with geotrain.preemption.EXIT_PREEMPTED (75).
 
 # flag -> (config key, argparse options). Every flag is optional and only overrides when given.
 SWARM_FLAGS = {
@@ -68,7 +73,21 @@ TRAINING_FLAGS = {
 }
 
 
+PEER_FLAGS = {
+    "--max-epochs": ("training.max_epochs", {"type": int}),
+    "--preemption": ("preemption.source",
+                     {"help": "where spot preemption notices come from: auto (default), aws, gcp, azure, signal, none"}),
+    "--data-seed": ("training.data_seed", {"type": int, "help": "seed of this peer's data order (default: from its peer id)"}),
+    "--events": ("training.events_path", {"metavar": "JSONL", "help": "write one JSON line per state change here"}),
+    "--wait-for-peers": ("training.wait_for_peers",
+                         {"type": int, "metavar": "N",
+                          "help": "before the first step, wait until N trainers (this one included) are in the swarm"}),
+    "--threads": ("training.threads", {"type": int, "help": "torch CPU threads (default: torch's choice)"}),
+}
 COORDINATOR_FLAGS = {
+    "--state-dir": ("coordinator.state_dir", {"metavar": "PATH",
+                                              "help": "where the identity and the checkpoints are kept "
+                                                      "(default: geotrain-state)"}),
     "--no-state": ("coordinator.hold_state", {"action": "store_const", "const": False,
                                              "help": "bootstrap only: hold no training state, write no checkpoints"}),
     "--checkpoint-every-epochs": ("coordinator.checkpoint_every_epochs", {"type": int, "metavar": "N"}),
@@ -119,23 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(peer)
     _add_config_flags(peer, SWARM_FLAGS)
     _add_config_flags(peer, TRAINING_FLAGS)
-    peer.add_argument("--max-epochs", dest="training.max_epochs", type=int, default=None)
-    peer.add_argument("--preemption", dest="preemption.source", default=None,
-                      help="where spot preemption notices come from: auto (default), aws, gcp, azure, signal, none")
-    peer.add_argument("--data-seed", dest="training.data_seed", type=int, default=None,
-                      help="seed of this peer's data order (default: from its peer id)")
-    peer.add_argument("--events", type=Path, metavar="JSONL", help="write one JSON line per state change here")
-    peer.add_argument("--wait-for-peers", type=int, default=1, metavar="N",
-                      help="before the first step, wait until N trainers (this one included) are in the swarm")
-    peer.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _add_config_flags(peer, PEER_FLAGS)
 
     coordinator = commands.add_parser("coordinator", help="run the swarm's bootstrap peer and durable state")
     _add_common(coordinator)
     _add_config_flags(coordinator, SWARM_FLAGS)
     _add_config_flags(coordinator, TRAINING_FLAGS)
     _add_config_flags(coordinator, COORDINATOR_FLAGS)
-    coordinator.add_argument("--state-dir", type=Path, default=None,
-                             help="where the identity and the checkpoints are kept (default: geotrain-state)")
     coordinator.add_argument("--initial-peers-file", type=Path, default=None,
                              help="also write the join addresses to this file")
 
@@ -164,8 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON (one object per refresh)")
     status.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="refresh period (default 5)")
 
-    from geotrain.planner.command import add_plan_arguments, add_profile_arguments, run_plan, run_profile
-
     plan = commands.add_parser("plan", help="which VMs to rent where, for the lowest cost per sample")
     add_plan_arguments(plan)
     plan.set_defaults(handler=run_plan)
@@ -173,47 +180,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_arguments(profile)
     profile.set_defaults(handler=run_profile)
 
-    from geotrain.lab.command import add_lab_commands
-
     add_lab_commands(commands)  # `geotrain lab up|down|status|run` and `geotrain bench`
     return parser
 
 
 def run_peer(args: argparse.Namespace) -> int:
-    config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS],
-                              {key: getattr(args, key) for key in
-                               ("training.max_epochs", "training.data_seed", "preemption.source")})
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    from geotrain.events import EventLog
-    from geotrain.lifecycle import Stopper
-    from geotrain.trainer import Trainer
+    config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, PEER_FLAGS])
+    from geotrain.trainer import Trainer  # torch and hivemind: only for the commands that train
 
     stopper = Stopper().install_signal_handlers()
-    events = EventLog(args.events)
-    try:
-        Trainer(config, events, wait_for_peers=args.wait_for_peers).run(stopper)
-    finally:
-        events.close()
+    Trainer(config).run(stopper)
     return stopper.exit_code if stopper.exit_code is not None else EXIT_OK
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
-    from geotrain.coordinator import DEFAULT_PORT, DEFAULT_STATE_DIR, Coordinator
-    from geotrain.lifecycle import Stopper
+    config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, COORDINATOR_FLAGS])
+    from geotrain.coordinator import Coordinator  # hivemind (and torch when it holds state)
 
-    config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, COORDINATOR_FLAGS],
-                              defaults={"swarm.port": DEFAULT_PORT})
     stopper = Stopper().install_signal_handlers()
-    Coordinator(config, args.state_dir or DEFAULT_STATE_DIR, args.initial_peers_file).run(stopper.stop)
+    Coordinator(config, args.initial_peers_file).run(stopper)
     return EXIT_OK
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from geotrain.local import LocalSwarm
-
     config = config_from_args(args, [TRAINING_FLAGS], defaults={"optimizer.network_profile": "loopback"})
     if args.peers < 1:
         raise ConfigError("--peers: expected at least 1 trainer")
@@ -230,8 +219,6 @@ def run_local(args: argparse.Namespace) -> int:
         raise ConfigError("--prometheus-port: expected a TCP port (0 for any free port)")
     if prometheus_options.get("scrape_interval_s", 1) <= 0:
         raise ConfigError("--prometheus-scrape-interval: expected seconds > 0")
-    from geotrain.prometheus_server import PrometheusNotInstalled
-
     try:
         swarm = LocalSwarm(config, peers=args.peers, epochs=args.epochs, run_dir=args.run_dir,
                            metrics_base_port=args.metrics_base_port, prometheus=args.prometheus,
@@ -243,14 +230,13 @@ def run_local(args: argparse.Namespace) -> int:
 
 
 def run_status_command(args: argparse.Namespace) -> int:
-    from geotrain.lifecycle import Stopper
-    from geotrain.status import run_status
-
     config = config_from_args(args, [STATUS_FLAGS])
     if not config.swarm.initial_peers:
         raise ConfigError("--initial-peers: give the address of a peer of the swarm (the coordinator prints it)")
     if args.interval <= 0:
         raise ConfigError("--interval: expected a positive number of seconds")
+    from geotrain.telemetry.status import run_status  # hivemind: joins the DHT as a client
+
     stopper = Stopper().install_signal_handlers()
     return run_status(config, once=args.once, as_json=args.json, interval_s=args.interval, stop=stopper.stop)
 
@@ -276,28 +262,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_handler(handler, args: argparse.Namespace) -> int:
-    from geotrain.metrics import MetricsPortError
-    from geotrain.swarm import SwarmJoinError
-
     try:
         return handler(args)
-    except ConfigError as error:
+    except UserError as error:
         print(f"geotrain {args.command}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (SwarmJoinError, MetricsPortError) as error:
+    except SwarmUnreachableError as error:
         print(f"geotrain {args.command}: {error}", file=sys.stderr)
-        return EXIT_SWARM_JOIN_FAILED
+        return EXIT_SWARM_UNREACHABLE
     except KeyboardInterrupt:
         return EXIT_OK
-    except Exception as error:
-        data_module = sys.modules.get("geotrain.tasks.data")  # loaded only by commands that read data
-        if data_module is not None and isinstance(error, data_module.DataSourceError):
-            print(f"geotrain {args.command}: {error}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+    except Exception:
         logging.getLogger("geotrain").exception("geotrain %s failed unexpectedly", args.command)
         return EXIT_UNEXPECTED
     finally:
         # whatever happened above, no hivemind child or p2pd may outlive this command
-        from geotrain.processes import kill_descendants
-
         kill_descendants(grace_s=2.0)

@@ -25,13 +25,15 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from geotrain.errors import UserError
+
 TaskName = Literal["cv", "nlp", "asr", "emulated"]
 NetworkProfileName = Literal["loopback", "lan", "continent", "intercontinental"]
 GradCompression = Literal["none", "fp16", "uniform8bit"]
 OptimizerName = Literal["sgd", "adam", "adamw", "lamb"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config a user wrote is wrong; the message says which key and what was expected."""
 
 
@@ -254,19 +256,35 @@ class PreemptionConfig(_Strict):
     azure_metadata_url: str = "http://169.254.169.254"
 
 
+COORDINATOR_PORT = 31337
+
+
 class CoordinatorConfig(_Strict):
-    """The coordinator's durable state: checkpoints of the swarm's training state."""
+    """The coordinator's address and durable state: checkpoints of the swarm's training state."""
+
+    port: int = Field(COORDINATOR_PORT, ge=0, le=65535,
+                      description="The coordinator's DHT port (the swarm's bootstrap address) unless swarm.port is set.")
+    state_dir: Path = Field(Path("geotrain-state"), description="Where the identity and the checkpoints are kept.")
 
     hold_state: bool = Field(True, description="Keep the swarm's state and checkpoint it; needs the run's task.")
     checkpoint_every_epochs: int = Field(10, ge=1, description="Checkpoint when the swarm is this many epochs on.")
     checkpoint_every_s: float = Field(600.0, gt=0, description="...or this many seconds after the last one.")
     keep_checkpoints: int = Field(3, ge=1, description="How many checkpoints to keep (locally and mirrored).")
     mirror_url: str | None = Field(None, description="fsspec URL to mirror checkpoints to, e.g. s3://bucket/run.")
+    mirror_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec storage options of the mirror, e.g. {endpoint_url: ..., key: ...}; "
+                                          "credentials may also come from the storage's usual environment variables.")
 
 
 class TrainingConfig(_Strict):
     max_epochs: int | None = Field(None, ge=1, description="Stop after this many global epochs; none runs on.")
     data_seed: int | None = Field(None, ge=0, description="Seed of this peer's data order; default from its id.")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads of this peer; none: torch's choice.")
+    wait_for_peers: int = Field(1, ge=1, description="Before the first step, wait until this many trainers "
+                                                     "(this one included) are in the swarm.")
+    wait_for_peers_timeout_s: float = Field(
+        60.0, gt=0, description="Train anyway when that many trainers have not joined within this time.")
+    events_path: Path | None = Field(None, description="Write one JSON line per state change of this peer here.")
     final_agreement_timeout_s: float = Field(
         60.0, gt=0, description="At max_epochs, how long trainers try to agree on one final state.")
 
@@ -283,6 +301,21 @@ class GeotrainConfig(_Strict):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def coordinator_port(self) -> int:
+        """The port the coordinator listens on: swarm.port when it was given, else coordinator.port."""
+        return self.swarm.port if "port" in self.swarm.model_fields_set else self.coordinator.port
+
+
+RESOLVED_CONFIG_NAME = "config.resolved.yaml"
+
+
+def write_resolved_config(config: GeotrainConfig, directory: Path) -> Path:
+    """The config as it was resolved (file, flags and defaults), beside the run's outputs."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / RESOLVED_CONFIG_NAME
+    path.write_text(config.to_yaml())
+    return path
 
 
 def _describe_error(error: dict[str, Any]) -> str:

@@ -21,16 +21,28 @@ among themselves; when it is back, it restores and catches up with the swarm.
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from pathlib import Path
-from threading import Event
 
+import yaml
+
+from geotrain.checkpoint import CheckpointStore
 from geotrain.config import GeotrainConfig
+from geotrain.errors import SwarmUnreachableError, UserError
+from geotrain.hive.dht import connected_peer_addresses, start_dht, visible_addresses
+from geotrain.hive.keys import swarm_epoch_and_trainers
+from geotrain.hive.metric_records import read_records
+from geotrain.hive.optimizer import build_hivemind_optimizer
+from geotrain.hive.state import capture_state, restore_state
+from geotrain.lifecycle import Stopper
+from geotrain.tasks import build_task
+from geotrain.telemetry.metrics import SwarmMetrics
+from geotrain.telemetry.reporter import MetricsReporter, PeerProgress
+from geotrain.telemetry.swarm_view import SwarmView, export
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 31337
-DEFAULT_STATE_DIR = Path("geotrain-state")
 POLL_INTERVAL_S = 2.0
 # Newcomers load from the donor with the highest priority; trainers announce their epoch. Half an epoch
 # more puts a coordinator that holds the current epoch's state first, and a stale one behind the trainers.
@@ -51,45 +63,84 @@ def public_addresses(addresses: list[str], announce_host: str | None) -> list[st
     return remote or addresses
 
 
-def read_swarm_progress(dht, run_id: str) -> tuple[int, int]:
-    """(global epoch, trainer peers) from the signed progress records in the DHT."""
-    from geotrain.swarm import read_progress
+# What a checkpoint's shape depends on: restoring one written under other values cannot work (other
+# tensors or optimizer statistics), or belongs to another run.
+STATE_DEFINING_KEYS = ("swarm.run_id", "task.name", "task.preset", "optimizer.optimizer")
 
-    progress = read_progress(dht, run_id)
-    return max((p.epoch for p in progress.values()), default=0), len(progress)
+
+def _dotted(data: dict, key: str):
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def config_differences(checkpoint_yaml: str, config: GeotrainConfig) -> list[str]:
+    """``key: checkpoint value -> this config's value`` for each state-defining key that differs."""
+    try:
+        written = yaml.safe_load(checkpoint_yaml) or {}
+    except yaml.YAMLError:
+        return []  # a checkpoint without a readable config (written by hand): its tensors decide
+    current = config.model_dump(mode="json")
+    return [f"{key}: {_dotted(written, key)!r} in the checkpoint, {_dotted(current, key)!r} now"
+            for key in STATE_DEFINING_KEYS
+            if isinstance(written, dict) and _dotted(written, key) is not None
+            and _dotted(written, key) != _dotted(current, key)]
 
 
 class DurableState:
-    """The swarm's training state held by the coordinator: restore, follow the swarm, checkpoint."""
+    """The swarm's training state held by the coordinator: restore, follow the swarm, checkpoint.
 
-    def __init__(self, config: GeotrainConfig, dht, state_dir: Path, metrics=None):
-        from geotrain.checkpoint import CheckpointStore
-        from geotrain.tasks import build_task
-        from geotrain.trainer import build_hivemind_optimizer
+    Built in two steps, so that a checkpoint that does not fit the config is refused before joining:
+    the constructor builds the model and reads the newest checkpoint; :meth:`attach` joins the state to
+    the swarm (an optimizer that never steps: it holds, downloads and shares the state as trainers do).
+    """
 
+    def __init__(self, config: GeotrainConfig, state_dir: Path, metrics=None):
         self.config = config
         settings = config.coordinator
         self.model = build_task(config.task).build_model()
-        # an optimizer that never steps: it holds, downloads and shares the state the way trainers do
-        self.optimizer = build_hivemind_optimizer(config, dht, self.model)
         self.store = CheckpointStore(state_dir / "checkpoints", keep=settings.keep_checkpoints,
-                                     mirror_url=settings.mirror_url, config_yaml=config.to_yaml())
+                                     mirror_url=settings.mirror_url, config_yaml=config.to_yaml(),
+                                     storage_options=settings.mirror_options)
+        self.optimizer = None
         self.saved_epoch = -1
         self.saved_monotonic_s = time.monotonic()
-        self.metrics = metrics  # geotrain.metrics.SwarmMetrics: checkpoints written, and when
+        self.metrics = metrics  # geotrain.telemetry.metrics.SwarmMetrics: checkpoints written, and when
+        self._restored = self._read_checkpoint()
+
+    def _read_checkpoint(self):
+        restored = self.store.load_latest()
+        if restored is None:
+            return None
+        state, info = restored
+        differences = config_differences(info.config_yaml, self.config)
+        if differences:
+            raise UserError(
+                f"checkpoint version {info.version} in {self.store.directory} was written for another config "
+                f"({'; '.join(differences)}); start the coordinator with that run's config, or give another "
+                "--state-dir for a new run (the checkpoints were left as they are)")
+        try:
+            self.model.load_state_dict(state["model"])  # the tensors must fit this model, too
+        except (KeyError, RuntimeError) as error:
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            raise UserError(f"checkpoint version {info.version} ({info.path}) does not fit the model of task "
+                            f"{self.config.task.name}/{self.config.task.preset}: {first_line}; start the "
+                            "coordinator with that run's config, or give another --state-dir (the checkpoints "
+                            "were left as they are)") from None
+        return restored
 
     @property
     def epoch(self) -> int:
         return self.optimizer.local_epoch
 
-    def restore(self) -> None:
-        from geotrain.state import restore_state
-
-        restored = self.store.load_latest()
-        if restored is None:
+    def attach(self, dht) -> None:
+        """Build the state's optimizer in the swarm and restore the checkpoint read at start, if any."""
+        self.optimizer = build_hivemind_optimizer(self.config, dht, self.model)
+        if self._restored is None:
             logger.info("no checkpoint yet; the state will come from the trainers")
             return
-        state, info = restored
+        state, info = self._restored
+        self._restored = None
         restore_state(self.optimizer, self.model, state)
         self.saved_epoch = info.epoch
         self._offer_state()
@@ -123,8 +174,6 @@ class DurableState:
             self.checkpoint()
 
     def checkpoint(self) -> None:
-        from geotrain.state import capture_state
-
         samples_seen = self.epoch * self.config.optimizer.target_batch_size  # epochs hold at least this many
         info = self.store.save(capture_state(self.optimizer, self.model), epoch=self.epoch, samples_seen=samples_seen)
         self.saved_epoch = info.epoch
@@ -136,45 +185,55 @@ class DurableState:
                     info.size_bytes / 1e6, info.sha256[:16])
 
     def shutdown(self) -> None:
-        self.optimizer.shutdown()
+        if self.optimizer is not None:
+            self.optimizer.shutdown()
+
+
+def check_writable_directory(directory: Path, flag: str) -> None:
+    """Fail before joining the swarm, naming the flag, when ``directory`` cannot hold the coordinator's files."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise UserError(f"{flag} {directory}: cannot write there ({error.strerror}); give a directory this user "
+                        "can write, on a durable disk") from None
 
 
 class Coordinator:
-    def __init__(self, config: GeotrainConfig, state_dir: Path, initial_peers_file: Path | None = None):
+    def __init__(self, config: GeotrainConfig, initial_peers_file: Path | None = None):
         self.config = config
-        self.state_dir = state_dir
+        self.state_dir = config.coordinator.state_dir
         self.initial_peers_file = initial_peers_file
 
-    def run(self, stop: Event) -> None:
-        from geotrain.metrics import SwarmMetrics
-        from geotrain.reporting import MetricsReporter, PeerProgress
-        from geotrain.swarm import visible_addresses
-        from geotrain.swarm_view import SwarmView
-
+    def run(self, stopper: Stopper) -> None:
         config = self.config
-        swarm = config.swarm
+        stop = stopper.stop
+        swarm = config.swarm.model_copy(update={"port": config.coordinator_port()})
         if swarm.identity_path is None:
             swarm = swarm.model_copy(update={"identity_path": self.state_dir / "identity.key"})
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        check_writable_directory(self.state_dir, "--state-dir")
+        if self.initial_peers_file is not None:
+            check_writable_directory(self.initial_peers_file.parent, "--initial-peers-file")
         metrics = SwarmMetrics(swarm.run_id, config.metrics)
+        durable = DurableState(config, self.state_dir, metrics) if config.coordinator.hold_state else None
         metrics_port = metrics.serve(config.metrics)
         dht = self._rejoin_or_start(swarm)
-        durable = None
         progress = PeerProgress()
         reporter = MetricsReporter(dht, swarm.run_id, "coordinator", config.metrics, progress)
         view = SwarmView(config.cost, config.optimizer.target_batch_size,
                          config.metrics.target_epoch or config.training.max_epochs)
         try:
-            if config.coordinator.hold_state:
-                durable = DurableState(config, dht, self.state_dir, metrics)
-                durable.restore()
+            if durable is not None:
+                durable.attach(dht)
+                stopper.reclaim_signals()
             self._announce(visible_addresses(dht), swarm.announce_host)
             if metrics_port is not None:
                 logger.info("swarm metrics on http://%s:%d/metrics", config.metrics.host, metrics_port)
             reporter.start()
             last_status = None
             while not stop.wait(POLL_INTERVAL_S):
-                swarm_epoch, trainers = read_swarm_progress(dht, swarm.run_id)
+                swarm_epoch, trainers = swarm_epoch_and_trainers(dht, swarm.run_id)
                 if (swarm_epoch, trainers) != last_status:
                     logger.info("swarm %r: epoch %d, %d trainers", swarm.run_id, swarm_epoch, trainers)
                     last_status = (swarm_epoch, trainers)
@@ -192,9 +251,6 @@ class Coordinator:
 
     def _aggregate(self, dht, view, metrics) -> None:
         """Fold the peers' metric records into the swarm metrics this coordinator exports."""
-        from geotrain.metric_records import read_records
-        from geotrain.swarm_view import export
-
         try:
             records = read_records(dht, self.config.swarm.run_id)
         except Exception as error:  # a busy DHT: keep the last figures, try again next poll
@@ -209,8 +265,6 @@ class Coordinator:
 
     def _remember_peers(self, dht) -> None:
         """Keep the trainers' addresses: a restarted coordinator dials them to find its swarm again."""
-        from geotrain.swarm import connected_peer_addresses
-
         addresses = connected_peer_addresses(dht)
         if addresses:
             temporary = self._known_peers_path.with_suffix(".tmp")
@@ -219,13 +273,11 @@ class Coordinator:
 
     def _rejoin_or_start(self, swarm):
         """After a restart the trainers do not dial the coordinator again: it dials the peers it knew."""
-        from geotrain.swarm import SwarmJoinError, start_dht
-
         known = self._known_peers_path.read_text().split() if self._known_peers_path.exists() else []
         if known:
             try:
                 return start_dht(swarm.model_copy(update={"initial_peers": swarm.initial_peers + known}))
-            except SwarmJoinError:
+            except SwarmUnreachableError:
                 logger.info("none of the %d peers seen before the restart answered; waiting for new ones",
                             len(known))
         return start_dht(swarm)

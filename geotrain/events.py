@@ -12,13 +12,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from geotrain.errors import UserError
+
 
 class EventLog:
     def __init__(self, path: Path | None):
         self._handle = None
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(path, "a", buffering=1)
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self._handle = open(path, "a", buffering=1)
+            except OSError as error:
+                raise UserError(f"cannot write the events file {path}: {error.strerror}; "
+                                "give a writable path with --events") from None
 
     def write(self, event: str, **fields: Any) -> None:
         if self._handle is None:

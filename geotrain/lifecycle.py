@@ -50,12 +50,27 @@ class Stopper:
         self.exit_code: int | None = None  # set by a request that wants a particular code
         self._owner_pid = os.getpid()
         self._lock = threading.Lock()
+        self._handlers_installed = False
 
     def install_signal_handlers(self) -> "Stopper":
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle_signal)
+        self._handlers_installed = True
         os.register_at_fork(after_in_child=die_with_parent)
         return self
+
+    def reclaim_signals(self) -> None:
+        """Take SIGINT and SIGTERM back after hivemind's averagers started.
+
+        ``DecentralizedAverager.run_in_background`` sets SIGINT to SIG_IGN in the process that starts an
+        averager (so that its forked child ignores Ctrl-C), which left a peer deaf to Ctrl-C once its
+        optimizer existed. The children keep ignoring it; they stop with their parent (die_with_parent).
+        """
+        if not self._handlers_installed:
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(signum) != self._handle_signal:
+                signal.signal(signum, self._handle_signal)
 
     def _handle_signal(self, signum: int, _frame) -> None:
         if os.getpid() != self._owner_pid:

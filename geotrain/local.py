@@ -8,7 +8,7 @@ prints a summary table and writes it as JSON. Each process logs to ``RUN_DIR/<na
 trainers' event files (``RUN_DIR/peer-<i>.jsonl``) feed the progress display and the summary.
 
 With ``--prometheus`` every peer (the coordinator too) serves metrics on a free loopback port, and a
-real Prometheus (:mod:`geotrain.prometheus_server`) scrapes them, evaluates geotrain's alert rules and
+real Prometheus (:mod:`geotrain.telemetry.prometheus_server`) scrapes them, evaluates geotrain's alert rules and
 serves the swarm's console page; its config, targets, data and log are kept in ``RUN_DIR/prometheus``.
 """
 
@@ -17,41 +17,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from geotrain.config import GeotrainConfig
+from tqdm import tqdm
+
+from geotrain.config import GeotrainConfig, write_resolved_config
 from geotrain.events import read_events
-from geotrain.lifecycle import die_with_parent
-from geotrain.prometheus_server import (DEFAULT_PORT as DEFAULT_PROMETHEUS_PORT, DEFAULT_SCRAPE_INTERVAL_S,
-                                        PrometheusError, PrometheusServer, find_prometheus, free_ports)
-from geotrain.trainer import write_resolved_config
+from geotrain.launcher import LaunchError, PeerProcess, ProcessLauncher
+from geotrain.telemetry.prometheus_server import (DEFAULT_PORT as DEFAULT_PROMETHEUS_PORT,
+                                                  DEFAULT_SCRAPE_INTERVAL_S, PrometheusError, PrometheusServer,
+                                                  find_prometheus, free_ports)
 
-COORDINATOR_START_TIMEOUT_S = 90.0
-STOP_GRACE_S = 30.0
 POLL_INTERVAL_S = 0.5
-
-
-@dataclass
-class PeerProcess:
-    name: str
-    process: subprocess.Popen
-    log_path: Path
-    events_path: Path | None = None
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-class LocalSwarmError(RuntimeError):
-    pass
 
 
 class LocalSwarm:
@@ -73,7 +52,7 @@ class LocalSwarm:
         self.run_dir = run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")
         self.metrics_base_port = metrics_base_port
         self.scrape_interval_s = scrape_interval_s
-        self.processes: list[PeerProcess] = []
+        self.launcher = ProcessLauncher(self.run_dir)
         self.prometheus: PrometheusServer | None = None
         names = [*(f"peer-{i}" for i in range(peers)), "coordinator"]
         self.metrics_ports: dict[str, int] = {}
@@ -86,36 +65,12 @@ class LocalSwarm:
             self.prometheus = PrometheusServer(self.run_dir / "prometheus", port=prometheus_port or ports[-1])
 
     # --- processes -------------------------------------------------------------------------
-    def _spawn(self, name: str, arguments: list[str], events_path: Path | None = None,
-               threads: int | None = None) -> PeerProcess:
-        log_path = self.run_dir / f"{name}.log"
-        environment = dict(os.environ)
-        if threads:
-            environment["OMP_NUM_THREADS"] = str(threads)
-        with open(log_path, "w") as log:
-            process = subprocess.Popen([sys.executable, "-m", "geotrain", *arguments], stdout=log,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
-                                       start_new_session=True, preexec_fn=die_with_parent)
-        peer = PeerProcess(name, process, log_path, events_path)
-        self.processes.append(peer)
-        return peer
-
     def _start_coordinator(self, config_path: Path) -> list[str]:
-        peers_file = self.run_dir / "initial_peers.txt"
-        coordinator = self._spawn("coordinator", [
-            "coordinator", "--config", str(config_path), "--port", "0",
-            "--state-dir", str(self.run_dir / "coordinator"), "--initial-peers-file", str(peers_file),
-            *self._metrics_arguments("coordinator")])
-        deadline = time.monotonic() + COORDINATOR_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if peers_file.exists():
-                return peers_file.read_text().split()
-            if coordinator.process.poll() is not None:
-                raise LocalSwarmError(f"the coordinator exited (code {coordinator.process.returncode}):\n"
-                                      f"{coordinator.log_tail()}")
-            time.sleep(0.2)
-        raise LocalSwarmError(f"the coordinator did not come up within {COORDINATOR_START_TIMEOUT_S:.0f} s:\n"
-                              f"{coordinator.log_tail()}")
+        return self.launcher.start_coordinator(
+            ["coordinator", "--config", str(config_path), "--port", "0",
+             "--state-dir", str(self.run_dir / "coordinator"),
+             "--initial-peers-file", str(self.run_dir / "initial_peers.txt"), *self._metrics_arguments("coordinator")],
+            self.run_dir / "initial_peers.txt")
 
     def _start_trainers(self, config_path: Path, initial_peers: list[str]) -> list[PeerProcess]:
         threads = max(1, (os.cpu_count() or 1) // self.peers)
@@ -128,7 +83,7 @@ class LocalSwarm:
             for address in initial_peers:
                 arguments += ["--initial-peers", address]
             arguments += self._metrics_arguments(f"peer-{index}")
-            trainers.append(self._spawn(f"peer-{index}", arguments, events_path, threads))
+            trainers.append(self.launcher.spawn(f"peer-{index}", arguments, events_path, threads))
         return trainers
 
     def _metrics_arguments(self, name: str) -> list[str]:
@@ -142,25 +97,9 @@ class LocalSwarm:
         try:
             self.prometheus.start()
         except PrometheusError as error:
-            raise LocalSwarmError(str(error)) from None
+            raise LaunchError(str(error)) from None
         print(f"Prometheus: {self.prometheus.url} (alerts: {self.prometheus.url}/alerts); "
               f"swarm console: {self.prometheus.console_url}", flush=True)
-
-    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM trainers first (they say goodbye), then the coordinator; SIGKILL after ``grace_s``."""
-        trainers = [p for p in self.processes if p.name != "coordinator"]
-        coordinators = [p for p in self.processes if p.name == "coordinator"]
-        for group in (trainers, coordinators):
-            for peer in group:
-                if peer.process.poll() is None:
-                    peer.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for peer in group:
-                try:
-                    peer.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    os.killpg(peer.process.pid, signal.SIGKILL)
-                    peer.process.wait()
 
     # --- the run ---------------------------------------------------------------------------
     def run(self, json_path: Path | None = None) -> int:
@@ -179,14 +118,14 @@ class LocalSwarm:
         except KeyboardInterrupt:
             interrupted = True
             print("\nstopping the local swarm ...", flush=True)
-        except LocalSwarmError as error:
+        except LaunchError as error:
             print(f"geotrain local: {error}", file=sys.stderr)
             return 1
         finally:
-            self.stop_all()
+            self.launcher.stop_all()
             if self.prometheus is not None:
                 self.prometheus.stop()
-        trainers = [p for p in self.processes if p.name != "coordinator"]
+        trainers = self.launcher.trainers
         summary = summarize(self.config, trainers, self.run_dir)
         print(format_summary(summary), flush=True)
         if json_path is not None:
@@ -203,24 +142,24 @@ class LocalSwarm:
 
     def _follow(self, trainers: list[PeerProcess]) -> None:
         """Live progress until every trainer has exited."""
-        from tqdm import tqdm
-
         bar = tqdm(total=self.epochs, unit="epoch", desc="swarm", dynamic_ncols=True, file=sys.stdout,
                    disable=None)
-        shown_epoch = 0
+        shown = {"epoch": 0}
+
+        def show_progress() -> None:
+            progress = live_progress([read_events(p.events_path) for p in trainers])
+            if progress["epoch"] > shown["epoch"]:
+                bar.update(progress["epoch"] - shown["epoch"])
+                shown["epoch"] = progress["epoch"]
+                if bar.disable:  # not a terminal: one line per epoch instead of a bar
+                    print(f"epoch {shown['epoch']}/{self.epochs}: {progress['samples_per_second']:.1f} samples/s, "
+                          f"loss {progress['loss']:.4f}", flush=True)
+            bar.set_postfix(samples_per_s=f"{progress['samples_per_second']:.1f}",
+                            loss=f"{progress['loss']:.4f}", refresh=False)
+            bar.refresh()
+
         try:
-            while any(p.process.poll() is None for p in trainers):
-                time.sleep(POLL_INTERVAL_S)
-                progress = live_progress([read_events(p.events_path) for p in trainers])
-                if progress["epoch"] > shown_epoch:
-                    bar.update(progress["epoch"] - shown_epoch)
-                    shown_epoch = progress["epoch"]
-                    if bar.disable:  # not a terminal: one line per epoch instead of a bar
-                        print(f"epoch {shown_epoch}/{self.epochs}: {progress['samples_per_second']:.1f} samples/s, "
-                              f"loss {progress['loss']:.4f}", flush=True)
-                bar.set_postfix(samples_per_s=f"{progress['samples_per_second']:.1f}",
-                                loss=f"{progress['loss']:.4f}", refresh=False)
-                bar.refresh()
+            self.launcher.wait_for_trainers(poll_s=POLL_INTERVAL_S, on_poll=show_progress)
         finally:
             bar.close()
 

@@ -15,181 +15,42 @@ On a spot VM the trainer watches the cloud's metadata service for preemption not
 tells the others it is gone, so they stop counting on its samples) and exits well before the VM goes.
 
 Exit codes: 0 when ``--max-epochs`` was reached or a stop was requested (SIGINT/SIGTERM);
-75 after a preemption notice (start the peer again elsewhere); 2 for a bad config; 3 when the swarm
-could not be joined (port in use, no initial peer answered); 1 for anything unexpected; 143 when a
-stop did not finish within its deadline and the watchdog ended the process.
+75 after a preemption notice (start the peer again elsewhere); 2 for anything the user must fix (config,
+data path, port in use: checked before joining); 3 when no initial peer answered; 1 for anything
+unexpected; 143 when a stop did not finish within its deadline and the watchdog ended the process
+(:mod:`geotrain.errors`).
 """
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import logging
 import math
-import threading
+import secrets
 import time
 from dataclasses import dataclass, field
-from functools import partial
-from pathlib import Path
 from threading import Event
 
 import torch
 
 from geotrain.config import GeotrainConfig
 from geotrain.events import EventLog
+from geotrain.hive.dht import start_dht, visible_addresses
+from geotrain.hive.finalize import agree_on_final_state
+from geotrain.hive.keys import announce_trainer, announced_trainers, best_donor_epoch, read_progress
+from geotrain.hive.leave import leave_swarm
+from geotrain.hive.optimizer import build_hivemind_optimizer
+from geotrain.hive.state import parameters_sha256
 from geotrain.lifecycle import Stopper
-from geotrain.metrics import PeerMetrics
-from geotrain.reporting import MetricsReporter, PeerProgress
+from geotrain.preemption import EXIT_PREEMPTED, start_watcher
+from geotrain.tasks import build_task
+from geotrain.telemetry.metrics import PeerMetrics
+from geotrain.telemetry.reporter import MetricsReporter, PeerProgress
 
 logger = logging.getLogger(__name__)
 
 PEER_WAIT_POLL_S = 0.5
 LOAD_STATE_ATTEMPTS = 3
-
-
-def parameters_sha256(model: torch.nn.Module) -> str:
-    """Hash of every parameter's bytes in a fixed order: equal across peers iff their weights are equal."""
-    digest = hashlib.sha256()
-    for name, parameter in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(parameter.detach().to("cpu").contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def build_torch_optimizer_factory(config: GeotrainConfig):
-    opt = config.optimizer
-    if opt.optimizer == "sgd":
-        return partial(torch.optim.SGD, lr=opt.learning_rate, momentum=0.9, weight_decay=opt.weight_decay)
-    if opt.optimizer == "adam":
-        return partial(torch.optim.Adam, lr=opt.learning_rate, weight_decay=opt.weight_decay)
-    if opt.optimizer == "adamw":
-        return partial(torch.optim.AdamW, lr=opt.learning_rate, weight_decay=opt.weight_decay)
-    from timm.optim import Lamb  # large-batch optimiser; only imported when asked for
-
-    return partial(Lamb, lr=opt.learning_rate, weight_decay=opt.weight_decay)
-
-
-def build_compression(name: str):
-    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
-
-    return {"none": NoCompression, "fp16": Float16Compression, "uniform8bit": Uniform8BitQuantization}[name]()
-
-
-def averaging_round_result(control) -> str:
-    """ok, timeout or failed: how one gradient averaging round (a hivemind StepControl) ended."""
-    if not control.done():
-        return "timeout"  # hivemind stopped waiting for it (averaging_timeout)
-    if control.cancelled():
-        return "failed"
-    error = control.exception()
-    if error is None:
-        return "ok"
-    return "timeout" if isinstance(error, TimeoutError) else "failed"
-
-
-def _measured_optimizer_class():
-    import hivemind
-
-    class MeasuredOptimizer(hivemind.Optimizer):
-        """hivemind.Optimizer that reports how each gradient averaging round ended and how long it took.
-
-        The duration is how long this peer waited for the round once its own gradients were ready
-        (matchmaking that was still going on, then all-reduce); with delayed updates that wait runs in
-        the background, next to the next epoch's compute.
-        """
-
-        on_averaging_round = None  # callable(result, duration_s)
-
-        def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
-            started = time.perf_counter()
-            super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-            if maybe_step_control is not None and self.on_averaging_round is not None:
-                self.on_averaging_round(averaging_round_result(maybe_step_control), time.perf_counter() - started)
-
-    return MeasuredOptimizer
-
-
-def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module, on_averaging_round=None):
-    """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped)."""
-    opt = config.optimizer
-    delayed = opt.delayed_parameter_updates
-    # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory
-    from hivemind.optim.grad_averager import GradientAverager
-
-    grad_averager_factory = partial(GradientAverager, request_timeout=opt.request_timeout_s)
-    optimizer = _measured_optimizer_class()(
-        dht=dht,
-        run_id=config.swarm.run_id,
-        target_batch_size=opt.target_batch_size,
-        batch_size_per_step=opt.batch_size_per_step,
-        optimizer=build_torch_optimizer_factory(config),
-        params=model.parameters(),
-        matchmaking_time=opt.matchmaking_time_s,
-        averaging_timeout=opt.averaging_timeout_s,
-        load_state_timeout=opt.load_state_timeout_s,
-        # hivemind inverts a non-None client_mode into dht.client_mode; passing the same value keeps both equal
-        client_mode=config.swarm.client_mode,
-        delay_optimizer_step=delayed,
-        delay_grad_averaging=delayed,
-        use_local_updates=opt.use_local_updates,
-        average_state_every=opt.average_state_every,
-        grad_compression=build_compression(opt.grad_compression),
-        grad_averager_factory=grad_averager_factory,
-        averager_opts={"request_timeout": opt.request_timeout_s},
-        # a peer must notice soon that the swarm reached the target batch, or it runs on alone; the
-        # bound on the refresh period keeps that lag small next to an epoch
-        tracker_opts={"default_refresh_period": opt.progress_refresh_s,
-                      "min_refresh_period": min(0.5, opt.progress_refresh_s),
-                      "max_refresh_period": max(2.0, 4 * opt.progress_refresh_s)},
-        state_averaging_compression=build_compression(opt.grad_compression),
-        verbose=False,
-    )
-    optimizer.on_averaging_round = on_averaging_round
-    return optimizer
-
-
-SHUTDOWN_RESERVE_S = 4.0  # what a stop keeps for the DHT's own shutdown after the optimizer's
-UNHURRIED_SHUTDOWN_S = 30.0  # the optimizer's share when no deadline is set (end of a run)
-GOODBYE_TIMEOUT_S = 2.0
-
-
-def leave_swarm(dht, optimizer, run_id: str, stopper: Stopper, reporter=None) -> None:
-    """Say goodbye, shut the optimizer down within the stop's deadline, then the DHT node.
-
-    The goodbye (an empty progress record) goes first, right after hivemind's progress reports are
-    stopped: the tracker publishes an empty record on shutdown without waiting for it, and once the
-    averagers are gone the DHT node can spend seconds on their dangling requests, so a record stored after
-    them can come too late. With it, the others stop counting on this peer's samples at once. The metric
-    record is withdrawn at the same time, so the swarm view drops this peer at once too. The optimizer's
-    shutdown gets what is left of the deadline: in a round that already started it tags along with zero
-    weight, so the round completes for the others. (hivemind offers no way to hand in a partial
-    accumulation outside a round; those samples are lost, and the swarm's epoch is filled by the others.)
-    """
-    from hivemind.utils import get_dht_time
-
-    from geotrain.swarm import progress_key
-
-    # hivemind's tracker reports progress in the background, and once more when it is shut down: stop it
-    # first, or that last report (stored after the goodbye, so with a later expiration) revives this peer
-    # for the others until it expires, and they wait for it in matchmaking
-    optimizer.tracker.shutdown(timeout=GOODBYE_TIMEOUT_S)
-    goodbyes = [dht.store(progress_key(run_id), subkey=optimizer.tracker._local_public_key, value=None,
-                          expiration_time=get_dht_time() + optimizer.tracker.metadata_expiration,
-                          return_future=True)]
-    if reporter is not None:
-        goodbyes.append(reporter.withdraw())
-    deadline = time.monotonic() + GOODBYE_TIMEOUT_S
-    for goodbye in goodbyes:
-        try:
-            goodbye.result(timeout=max(0.1, deadline - time.monotonic()))
-        except Exception as error:  # leaving anyway; the record then expires on its own
-            logger.debug("goodbye record not stored: %s", error)
-    budget_s = max(1.0, stopper.seconds_left(UNHURRIED_SHUTDOWN_S) - SHUTDOWN_RESERVE_S)
-    shutdown = threading.Thread(target=optimizer.shutdown, name="optimizer-shutdown", daemon=True)
-    shutdown.start()
-    shutdown.join(budget_s)
-    if shutdown.is_alive():
-        logger.warning("hivemind's optimizer did not shut down within %.0f s; leaving without it", budget_s)
-    dht.shutdown()
 
 
 @dataclass
@@ -233,34 +94,45 @@ class TrainerResult:
 class Trainer:
     """One trainer peer. ``run`` returns when max_epochs is reached or ``stop`` is set."""
 
-    def __init__(self, config: GeotrainConfig, events: EventLog | None = None, wait_for_peers: int = 1,
-                 wait_for_peers_timeout_s: float = 60.0):
+    def __init__(self, config: GeotrainConfig):
         self.config = config
-        self.events = events or EventLog(None)
-        self.wait_for_peers = wait_for_peers
-        self.wait_for_peers_timeout_s = wait_for_peers_timeout_s
         self.metrics = PeerMetrics(config.swarm.run_id, role="trainer", config=config.metrics)
         self.progress = PeerProgress()
+        self.events = EventLog(None)
 
     def run(self, stopper: Stopper) -> TrainerResult:
-        from geotrain.preemption import start_watcher
-        from geotrain.swarm import announce_trainer, announced_trainers, start_dht, visible_addresses
-        from geotrain.tasks import build_task
-
+        """Prepare everything a user can get wrong (task, data, ports, files), then join and train."""
         config = self.config
-        stop = stopper.stop
+        if config.training.threads is not None:
+            torch.set_num_threads(config.training.threads)
         task = build_task(config.task)
         model = task.build_model()
+        data_seed = config.training.data_seed
+        if data_seed is None:
+            data_seed = secrets.randbits(32)  # peers read their data in orders of their own
+        batches = task.build_data(config.optimizer.batch_size_per_step, data_seed)
+        first_batch = next(batches)  # a missing or unreadable data source fails here, before joining
+        self.events = EventLog(config.training.events_path)
+        try:
+            return self._join_and_train(stopper, task, model, itertools.chain([first_batch], batches), data_seed)
+        finally:
+            self.events.close()
+
+    def _join_and_train(self, stopper: Stopper, task, model, batches, data_seed: int) -> TrainerResult:
+        config = self.config
+        stop = stopper.stop
         metrics_port = self.metrics.serve(config.metrics)
         watcher = start_watcher(config.preemption, lambda notice: self._on_notice(notice, stopper))
         dht = start_dht(config.swarm)
         peer_id = str(dht.peer_id)
-        logger.info("joined swarm %r as %s (listening on %s)", config.swarm.run_id, peer_id,
-                    ", ".join(visible_addresses(dht)) or "client mode")
+        logger.info("joined swarm %r as %s (listening on %s); data order seed %d", config.swarm.run_id, peer_id,
+                    ", ".join(visible_addresses(dht)) or "client mode", data_seed)
         parameters = sum(p.numel() for p in model.parameters())
-        self.events.write("joined", peer_id=peer_id, metrics_port=metrics_port, parameters=parameters)
+        self.events.write("joined", peer_id=peer_id, metrics_port=metrics_port, parameters=parameters,
+                          data_seed=data_seed)
 
         optimizer = build_hivemind_optimizer(config, dht, model, on_averaging_round=self.metrics.averaging_round)
+        stopper.reclaim_signals()  # hivemind's averagers set SIGINT to SIG_IGN in this process
         self.reporter = MetricsReporter(dht, config.swarm.run_id, "trainer", config.metrics, self.progress, self.metrics)
         self.reporter.start()
         agreed = False
@@ -269,14 +141,12 @@ class Trainer:
             # alone. hivemind publishes a peer's progress only after its first step, so trainers first
             # announce themselves under a key of their own, then meet again after one step (see _train).
             announce_trainer(dht, config.swarm.run_id, peer_id)
-            if self.wait_for_peers > 1:
-                logger.info("waiting for %d trainers to join", self.wait_for_peers)
+            if config.training.wait_for_peers > 1:
+                logger.info("waiting for %d trainers to join", config.training.wait_for_peers)
             self._wait_for_peers(dht, stop, announced_trainers, "joined")
             self._load_state_if_behind(optimizer, dht, model, peer_id)
-            totals = self._train(task, model, optimizer, stop, peer_id, dht)
+            totals = self._train(task, model, batches, optimizer, stop, peer_id, dht)
             if not stop.is_set() and config.training.max_epochs is not None:
-                from geotrain.finalize import agree_on_final_state
-
                 _, agreed = agree_on_final_state(dht, optimizer, model, config.swarm.run_id, optimizer.local_epoch,
                                                  config.swarm.client_mode, config.training.final_agreement_timeout_s)
         finally:
@@ -303,8 +173,6 @@ class Trainer:
 
     def _on_notice(self, notice, stopper: Stopper) -> None:
         """A preemption notice: leave within the budget, and before the cloud takes the VM."""
-        from geotrain.preemption import EXIT_PREEMPTED
-
         budget_s = self.config.preemption.exit_budget_s
         seconds_left = notice.seconds_left()
         if seconds_left is not None:
@@ -317,19 +185,21 @@ class Trainer:
 
     def _wait_for_peers(self, dht, stop: Event, key_reader, what: str) -> None:
         """Block until ``key_reader(dht, run_id)`` lists ``wait_for_peers`` trainers, or the timeout."""
-        if self.wait_for_peers <= 1:
+        wanted = self.config.training.wait_for_peers
+        timeout_s = self.config.training.wait_for_peers_timeout_s
+        if wanted <= 1:
             return
         run_id = self.config.swarm.run_id
-        deadline = time.monotonic() + self.wait_for_peers_timeout_s
+        deadline = time.monotonic() + timeout_s
         seen = 0
         while not stop.is_set() and time.monotonic() < deadline:
             seen = len(key_reader(dht, run_id))
-            if seen >= self.wait_for_peers:
+            if seen >= wanted:
                 return
             time.sleep(PEER_WAIT_POLL_S)
         if not stop.is_set():
             logger.warning("only %d of %d trainers %s within %.0f s; training anyway", seen,
-                           self.wait_for_peers, what, self.wait_for_peers_timeout_s)
+                           wanted, what, timeout_s)
 
     def _load_state_if_behind(self, optimizer, dht, model, peer_id: str) -> None:
         """A peer that joins late downloads parameters and optimizer state before its first step.
@@ -337,8 +207,6 @@ class Trainer:
         "Late" means behind the trainers' progress, or behind a state donor such as the coordinator,
         which holds the last checkpoint when no trainer is left.
         """
-        from geotrain.swarm import best_donor_epoch
-
         optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=self.config.optimizer.matchmaking_time_s)
         swarm_epoch = max(optimizer.tracker.global_epoch, int(best_donor_epoch(dht, self.config.swarm.run_id)))
         if swarm_epoch <= optimizer.local_epoch:
@@ -364,16 +232,10 @@ class Trainer:
                           params_sha256=parameters_sha256(model))
         logger.info("loaded state of epoch %d in %.1f s", optimizer.local_epoch, elapsed_s)
 
-    def _train(self, task, model, optimizer, stop: Event, peer_id: str, dht) -> EpochTotals:
-        from geotrain.swarm import read_progress
-
+    def _train(self, task, model, batches, optimizer, stop: Event, peer_id: str, dht) -> EpochTotals:
         config = self.config
         max_epochs = config.training.max_epochs
         batch_size = config.optimizer.batch_size_per_step
-        data_seed = config.training.data_seed
-        if data_seed is None:
-            data_seed = int(hashlib.sha256(peer_id.encode()).hexdigest()[:8], 16)
-        batches = task.build_data(batch_size, data_seed)
         model.train()
 
         run_totals = EpochTotals()
@@ -439,10 +301,3 @@ class Trainer:
         progress.granularity = None if math.isinf(totals.granularity) else totals.granularity
         progress.compute_seconds_total += totals.compute_s
         progress.communication_seconds_total += totals.comm_s
-
-
-def write_resolved_config(config: GeotrainConfig, directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "config.resolved.yaml"
-    path.write_text(config.to_yaml())
-    return path

@@ -33,18 +33,15 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from geotrain.launcher import LaunchError, ProcessLauncher
 from geotrain.lab.topology import Link, Topology, load_topology, shipped_topologies
 
 BENCH_LAB = "gtlabbench"
-COORDINATOR_START_TIMEOUT_S = 90.0
-STOP_GRACE_S = 30.0
 SETUP = re.compile(r"^(?P<topology>[A-Za-z0-9_.-]+?)-(?P<peers>[1-9][0-9]*)$")
 
 
@@ -162,8 +159,8 @@ def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
 def planner_prediction(topology: Topology, profile, gpu: str, parameters: int, target_batch_size: int,
                        overlap: bool) -> dict:
     """geotrain.planner.model.evaluate for one VM of ``gpu`` per peer in each region of ``topology``."""
-    from geotrain.planner.catalog import Offer
-    from geotrain.planner.egress import KINDS, EgressPrices
+    from geotrain.pricing.catalog import Offer
+    from geotrain.pricing.egress import KINDS, EgressPrices
     from geotrain.planner.model import Settings, evaluate
     from geotrain.planner.network import load_network
     from geotrain.planner.profiles import BYTES_PER_PARAMETER
@@ -211,18 +208,11 @@ class LabSwarm:
     def __init__(self, plan: BenchPlan, lab: str, run_dir: Path):
         self.plan = plan
         self.lab = lab
+        self.launcher = ProcessLauncher(run_dir)
         self.run_dir = run_dir
-        self.processes: list[tuple[str, subprocess.Popen]] = []
 
-    def _spawn(self, name: str, region: str, arguments: list[str]) -> subprocess.Popen:
-        log = open(self.run_dir / f"{name}.log", "w")
-        command = [sys.executable, "-m", "geotrain", "lab", "run", "--lab", self.lab, region, "--",
-                   sys.executable, "-m", "geotrain", *arguments]
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        log.close()
-        self.processes.append((name, process))
-        return process
+    def _in_region(self, region: str, arguments: list[str]) -> list[str]:
+        return ["lab", "run", "--lab", self.lab, region, "--", sys.executable, "-m", "geotrain", *arguments]
 
     def training_arguments(self) -> list[str]:
         plan = self.plan
@@ -238,16 +228,14 @@ class LabSwarm:
         regions = state["regions"]
         first = self.plan.topology.regions[0].name
         peers_file = self.run_dir / "initial_peers.txt"
-        coordinator = self._spawn("coordinator", first, [
-            "coordinator", "--host", regions[first]["address"], "--port", "0", "--no-state",
-            "--state-dir", str(self.run_dir / "coordinator"), "--initial-peers-file", str(peers_file),
-            *self.training_arguments()])
-        deadline = time.monotonic() + COORDINATOR_START_TIMEOUT_S
-        while not peers_file.exists():
-            if coordinator.poll() is not None or time.monotonic() > deadline:
-                raise BenchError(f"the coordinator did not come up; see {self.run_dir / 'coordinator.log'}")
-            time.sleep(0.2)
-        initial_peers = [a for a in peers_file.read_text().split() if regions[first]["address"] in a]
+        try:
+            addresses = self.launcher.start_coordinator(self._in_region(first, [
+                "coordinator", "--host", regions[first]["address"], "--port", "0", "--no-state",
+                "--state-dir", str(self.run_dir / "coordinator"), "--initial-peers-file", str(peers_file),
+                *self.training_arguments()]), peers_file)
+        except LaunchError as error:
+            raise BenchError(str(error)) from None
+        initial_peers = [a for a in addresses if regions[first]["address"] in a]
         events = []
         index = 0
         for region in self.plan.topology.regions:
@@ -260,32 +248,16 @@ class LabSwarm:
                              "--region", region.name, *self.training_arguments()]
                 for address in initial_peers:
                     arguments += ["--initial-peers", address]
-                self._spawn(f"peer-{index}-{region.name}", region.name, arguments)
+                self.launcher.spawn(f"peer-{index}-{region.name}", self._in_region(region.name, arguments), path,
+                                    threads=1)
                 events.append(path)
         return events
 
     def wait(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        trainers = [process for name, process in self.processes if name != "coordinator"]
-        while time.monotonic() < deadline:
-            if all(process.poll() is not None for process in trainers):
-                return True
-            time.sleep(1.0)
-        return False
+        return self.launcher.wait_for_trainers(timeout_s, poll_s=1.0)
 
     def stop(self) -> None:
-        for group in ([p for n, p in self.processes if n != "coordinator"],
-                      [p for n, p in self.processes if n == "coordinator"]):
-            for process in group:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + STOP_GRACE_S
-            for process in group:
-                try:
-                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
+        self.launcher.stop_all()
 
 
 # --- measurement ----------------------------------------------------------------------------------

@@ -143,10 +143,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     from geotrain.lab.bench import BenchError, run_benchmark
-    from geotrain.planner.errors import PlannerError
+    from geotrain.pricing.errors import InputFileError
 
     try:
         return run_benchmark(args)
-    except (LabError, TopologyError, BenchError, PlannerError) as error:
+    except (LabError, TopologyError, BenchError, InputFileError) as error:
         _print_error("geotrain bench", error)
         return EXIT_BAD_INPUT

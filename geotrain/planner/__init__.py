@@ -3,9 +3,9 @@
 Pure arithmetic over plain input files, with no torch or hivemind, so it starts instantly
 (scipy and matplotlib load only when a plan is solved or drawn):
 
-- inputs: :mod:`~geotrain.planner.catalog`, :mod:`~geotrain.planner.egress`, :mod:`~geotrain.planner.network`,
+- inputs: :mod:`~geotrain.pricing.catalog`, :mod:`~geotrain.pricing.egress`, :mod:`~geotrain.planner.network`,
   :mod:`~geotrain.planner.profiles` (shipped defaults in ``geotrain/data/planner/``), read by
-  :mod:`~geotrain.planner.table`;
+  :mod:`~geotrain.pricing.table`;
 - :mod:`~geotrain.planner.model`: predicted throughput, granularity and cost of one configuration;
 - :mod:`~geotrain.planner.solve`: the search (its docstring explains the MILP formulation), with
   :mod:`~geotrain.planner.problem` (inputs and request), :mod:`~geotrain.planner.prune`,

@@ -19,6 +19,7 @@ import argparse
 import sys
 
 from geotrain.planner.errors import PlannerError
+from geotrain.pricing.errors import InputFileError
 from geotrain.planner.model import DEFAULT_SPOT_INTERRUPTION_RATE
 from geotrain.planner.problem import DEFAULT_MAX_PEERS, OBJECTIVES
 
@@ -93,14 +94,14 @@ def _check_positive(name: str, value: float | None, allow_zero: bool = False) ->
 def run_plan(args: argparse.Namespace) -> int:
     try:
         return _plan(args)
-    except PlannerError as error:
+    except InputFileError as error:
         print(f"geotrain plan: {error}", file=sys.stderr)
         return 2
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from geotrain.planner.catalog import load_catalog
-    from geotrain.planner.egress import load_egress
+    from geotrain.pricing.catalog import load_catalog
+    from geotrain.pricing.egress import load_egress
     from geotrain.planner.model import Settings
     from geotrain.planner.network import load_network
     from geotrain.planner.profiles import load_profile
@@ -154,7 +155,7 @@ def _plan(args: argparse.Namespace) -> int:
         fastest_request = Request(**{**request.__dict__, "budget_usd_per_hour": spend, "min_samples_per_second": None})
         try:
             everything += plan(inputs, fastest_request, objective="throughput", top=request.max_peers).candidates
-        except PlannerError:
+        except InputFileError:
             pass
         plot_frontier(args.plot, everything, result.best, request,
                       f"{profile.name}: predicted cost and throughput per swarm size")
@@ -179,7 +180,7 @@ def run_profile(args: argparse.Namespace) -> int:
     try:
         profile = profile_from_run(args.from_run, args.name, args.device_type)
         path = save_profile(profile, args.profiles_dir)
-    except PlannerError as error:
+    except InputFileError as error:
         print(f"geotrain profile: {error}", file=sys.stderr)
         return 2
     rates = ", ".join(f"{key} {value:g} samples/s" for key, value in profile.samples_per_second.items())

@@ -1,9 +1,11 @@
 """The one error type of the planner: something a user wrote or asked for cannot be used.
 
-Its message says what was wrong, what was expected and what to do; `geotrain plan` prints it
-and exits with code 2 instead of showing a traceback.
+Input files shared with the live swarm's pricing (catalog, egress prices) raise their base class,
+:class:`geotrain.pricing.errors.InputFileError`; catch that to handle both.
 """
 
+from geotrain.pricing.errors import InputFileError
 
-class PlannerError(ValueError):
+
+class PlannerError(InputFileError):
     """A planner input or request is wrong; the message is meant for the user as it is."""

@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from geotrain.planner.catalog import Offer
-from geotrain.planner.egress import EgressPrices
+from geotrain.pricing.catalog import Offer
+from geotrain.pricing.egress import EgressPrices
 from geotrain.planner.network import NetworkMatrix
 from geotrain.planner.profiles import ModelProfile
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from geotrain.planner.catalog import DATA_DIR, Offer
+from geotrain.pricing.catalog import DATA_DIR, Offer
 from geotrain.planner.errors import PlannerError
-from geotrain.planner.table import read_table
+from geotrain.pricing.table import read_table
 
 DEFAULT_NETWORK = DATA_DIR / "network.csv"
 SCOPES = ("same-region", "between-regions")

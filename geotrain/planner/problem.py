@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from geotrain.planner.catalog import Offer
-from geotrain.planner.egress import EgressPrices
+from geotrain.pricing.catalog import Offer
+from geotrain.pricing.egress import EgressPrices
 from geotrain.planner.model import Prediction, Settings
 from geotrain.planner.network import NetworkMatrix
 from geotrain.planner.profiles import ModelProfile

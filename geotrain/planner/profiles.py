@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from geotrain.planner.catalog import DATA_DIR
+from geotrain.pricing.catalog import DATA_DIR
 from geotrain.planner.errors import PlannerError
 
 SHIPPED_PROFILES_DIR = DATA_DIR / "profiles"

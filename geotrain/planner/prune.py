@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from geotrain.planner.catalog import Offer
+from geotrain.pricing.catalog import Offer
 from geotrain.planner.errors import PlannerError
 from geotrain.planner.model import Settings, peer_rate, standalone_samples_per_second
 from geotrain.planner.problem import Inputs, Request

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from geotrain.planner.catalog import Offer
+from geotrain.pricing.catalog import Offer
 from geotrain.planner.milp import INF, Program
 from geotrain.planner.model import GB, Prediction, bytes_per_pair, evaluate, peer_rate, transfer_s
 from geotrain.planner.problem import Inputs, Request, ranking_key, satisfies

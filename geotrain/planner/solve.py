@@ -51,7 +51,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from geotrain.planner.catalog import Offer
+from geotrain.pricing.catalog import Offer
 from geotrain.planner.errors import PlannerError
 from geotrain.planner.milp import INF
 from geotrain.planner.model import Prediction

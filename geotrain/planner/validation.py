@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from geotrain.planner.catalog import Offer, load_catalog
-from geotrain.planner.egress import load_egress
+from geotrain.pricing.catalog import Offer, load_catalog
+from geotrain.pricing.egress import load_egress
 from geotrain.planner.model import Prediction, Settings, evaluate, transfer_s
 from geotrain.planner.network import load_network
 from geotrain.planner.profiles import ModelProfile, load_profile

@@ -45,6 +45,7 @@ import tarfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
+from geotrain.errors import UserError
 from geotrain.tasks.base import Batch
 
 Sample = TypeVar("Sample")
@@ -54,7 +55,7 @@ DEFAULT_SHUFFLE_BUFFER_SAMPLES = 256
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
-class DataSourceError(ValueError):
+class DataSourceError(UserError):
     """The configured data cannot be read; the message names the path and what was expected."""
 
 

@@ -58,12 +58,12 @@ def resolve_preset(preset: str) -> EmulatedModelSpec:
     if match is None:
         raise ConfigError(f"task.preset: {preset!r} is not an emulated preset; expected tiny or "
                           "PROFILE[@GPU][/DIVISOR], e.g. convnext_large@T4/80")
-    from geotrain.planner.errors import PlannerError
+    from geotrain.pricing.errors import InputFileError
     from geotrain.planner.profiles import load_profile
 
     try:
         profile = load_profile(match["profile"])
-    except PlannerError as error:
+    except InputFileError as error:
         raise ConfigError(f"task.preset {preset!r}: {error}") from None
     gpu = match["gpu"] or next(iter(profile.samples_per_second))
     if gpu not in profile.samples_per_second:

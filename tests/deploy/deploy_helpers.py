@@ -32,17 +32,18 @@ class GeotrainCommandLine:
         started = {}
 
         class Trainer:
-            def __init__(self, config, events, **options):
+            def __init__(self, config):
                 started.update(config=config)
 
             def run(self, stopper):
                 pass
 
         class Coordinator:
-            def __init__(self, config, state_dir, initial_peers_file=None):
-                started.update(config=config, state_dir=state_dir, initial_peers_file=initial_peers_file)
+            def __init__(self, config, initial_peers_file=None):
+                started.update(config=config, state_dir=config.coordinator.state_dir,
+                               initial_peers_file=initial_peers_file)
 
-            def run(self, stop):
+            def run(self, stopper):
                 pass
 
         class Stopper:  # no signal handlers in the test process
@@ -54,7 +55,7 @@ class GeotrainCommandLine:
 
         with mock.patch("geotrain.trainer.Trainer", Trainer), \
                 mock.patch("geotrain.coordinator.Coordinator", Coordinator), \
-                mock.patch("geotrain.lifecycle.Stopper", Stopper):
+                mock.patch("geotrain.cli.Stopper", Stopper):
             cli.HANDLERS[self.args.command](self.args)
         self.config = started["config"]
         self.state_dir = started.get("state_dir")

@@ -108,7 +108,7 @@ def test_image_runs_as_a_non_root_user_with_state_on_a_volume():
 
 
 def test_image_exposes_geotrain_ports_and_checks_health():
-    from geotrain.coordinator import DEFAULT_PORT
+    from geotrain.config import COORDINATOR_PORT as DEFAULT_PORT
 
     steps = dict((keyword, arguments) for keyword, arguments in instructions(DOCKER / "Dockerfile"))
     assert set(steps["EXPOSE"].split()) == {str(DEFAULT_PORT), "9100"}
@@ -234,7 +234,7 @@ def free_port() -> int:
 
 def test_healthcheck_of_a_trainer_reads_its_real_metrics_endpoint(geotrain_process, tmp_path):
     from geotrain.config import MetricsConfig
-    from geotrain.metrics import PeerMetrics
+    from geotrain.telemetry.metrics import PeerMetrics
 
     port = PeerMetrics("compose-demo", "trainer").serve(MetricsConfig(port=0, host="0.0.0.0"))
     trainer = geotrain_process("peer", "--metrics-port", str(port), "--metrics-host", "0.0.0.0")
@@ -280,7 +280,7 @@ def load_healthcheck_module():
 def test_healthcheck_defaults_are_geotrains():
     module = load_healthcheck_module()
     from geotrain.config import MetricsConfig
-    from geotrain.coordinator import DEFAULT_PORT
+    from geotrain.config import COORDINATOR_PORT as DEFAULT_PORT
 
     assert module.DEFAULT_COORDINATOR_PORT == DEFAULT_PORT
     assert module.DEFAULT_METRICS_HOST == MetricsConfig().host
@@ -298,13 +298,14 @@ def test_compose_has_the_local_run(compose):
 
 
 def test_compose_commands_are_valid_geotrain_commands(commands):
-    from geotrain.coordinator import DEFAULT_PORT
+    from geotrain.config import COORDINATOR_PORT as DEFAULT_PORT
 
     assert commands["coordinator"].command == "coordinator"
     assert {name for name, command in commands.items() if command.command == "peer"} == set(TRAINERS)
     # one run, one DHT port: geotrain's default
     assert {command.config.swarm.run_id for command in commands.values()} == {"compose-demo"}
-    assert {command.config.swarm.port for command in commands.values()} == {DEFAULT_PORT}
+    assert {command.config.coordinator_port() if command.command == "coordinator" else command.config.swarm.port
+            for command in commands.values()} == {DEFAULT_PORT}
     assert all(command.config.swarm.host == "0.0.0.0" for command in commands.values())
 
 
@@ -402,7 +403,7 @@ def exposed_metrics() -> tuple[set[str], set[str]]:
     """Names and label names geotrain's trainers and coordinator really export (every optional series set)."""
     from prometheus_client import generate_latest
 
-    from geotrain.metrics import PeerMetrics, SwarmMetrics
+    from geotrain.telemetry.metrics import PeerMetrics, SwarmMetrics
 
     peer = PeerMetrics("run", "trainer")
     peer.labelled(peer.sent_bytes, destination_region="region").inc()

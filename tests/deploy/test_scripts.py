@@ -287,7 +287,7 @@ def read_unit() -> configparser.ConfigParser:
 
 
 def test_systemd_unit_restarts_stops_gently_and_runs_as_its_own_user():
-    from geotrain.cli import EXIT_BAD_INPUT, EXIT_SWARM_JOIN_FAILED, EXIT_UNEXPECTED
+    from geotrain.cli import EXIT_BAD_INPUT, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED
     from geotrain.lifecycle import STOP_DEADLINE_S
     from geotrain.preemption import EXIT_PREEMPTED
 
@@ -297,7 +297,7 @@ def test_systemd_unit_restarts_stops_gently_and_runs_as_its_own_user():
     # not restarted: a wrong config (retrying cannot fix it) and a preemption notice (the VM is going away)
     not_restarted = {int(code) for code in service["RestartPreventExitStatus"].split()}
     assert not_restarted == {EXIT_BAD_INPUT, EXIT_PREEMPTED}
-    assert EXIT_SWARM_JOIN_FAILED not in not_restarted and EXIT_UNEXPECTED not in not_restarted
+    assert EXIT_SWARM_UNREACHABLE not in not_restarted and EXIT_UNEXPECTED not in not_restarted
     assert service["KillSignal"] == "SIGTERM"
     assert service["KillMode"] == "mixed"               # SIGTERM to geotrain, which stops its own children
     timeout_s = float(service["TimeoutStopSec"])

@@ -70,7 +70,7 @@ def test_there_are_task_files_for_a_coordinator_and_trainers():
 
 
 def test_coordinator_task_parses_with_from_yaml_on_demand_with_the_dht_port_open(parsed):
-    from geotrain.coordinator import DEFAULT_PORT
+    from geotrain.config import COORDINATOR_PORT as DEFAULT_PORT
 
     task = parsed["peers/skypilot/coordinator.yaml"]
     assert task["from_yaml"] == "ok"

@@ -32,8 +32,8 @@ def main(run_id: str, victim_peer_id: str, initial_peers: list[str]) -> None:
     import hivemind
     from hivemind.utils import get_dht_time
 
-    from geotrain.metric_records import local_public_key, metrics_key
-    from geotrain.swarm import record_validators
+    from geotrain.hive.metric_records import local_public_key, metrics_key
+    from geotrain.hive.dht import record_validators
 
     key = metrics_key(run_id)
     dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True,

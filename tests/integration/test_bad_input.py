@@ -69,7 +69,7 @@ def test_port_already_in_use(flag, what):
         taken.listen()
         port = taken.getsockname()[1]
         result = geotrain("peer", flag, str(port), timeout_s=120)
-    assert result.returncode == JOIN_FAILED
+    assert result.returncode == BAD_INPUT
     assert f"{what} {port} on 127.0.0.1 is already in use" in result.stderr, result.stderr
     assert flag in result.stderr
 

@@ -12,7 +12,7 @@ from geotrain.checkpoint import CheckpointStore
 from geotrain.config import TaskConfig
 from geotrain.events import read_events
 from geotrain.tasks import build_task
-from geotrain.trainer import parameters_sha256
+from geotrain.hive.state import parameters_sha256
 from swarm_helpers import FAST_SWARM, last_epoch, wait_for
 
 CRASH_EXIT_CODE = 86  # geotrain.checkpoint's injected crash between write and rename

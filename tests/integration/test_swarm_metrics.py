@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from geotrain.events import read_events
-from geotrain.prometheus_server import free_ports
+from geotrain.telemetry.prometheus_server import free_ports
 from swarm_helpers import FAST_SWARM, Swarm, geotrain, processes_mentioning, wait_for
 
 RUN_ID = "metrics-test"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from geotrain.prometheus_server import (MONITORING_DIR, console_expressions, dashboard_expressions,
+from geotrain.telemetry.prometheus_server import (MONITORING_DIR, console_expressions, dashboard_expressions,
                                         rule_expressions)
 
 RULES = MONITORING_DIR / "rules" / "geotrain.yml"

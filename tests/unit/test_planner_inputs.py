@@ -6,9 +6,9 @@ import csv
 
 import pytest
 
-from geotrain.planner.catalog import DEFAULT_CATALOG, load_catalog
-from geotrain.planner.egress import DEFAULT_EGRESS, load_egress
-from geotrain.planner.errors import PlannerError
+from geotrain.pricing.catalog import DEFAULT_CATALOG, load_catalog
+from geotrain.pricing.egress import DEFAULT_EGRESS, load_egress
+from geotrain.pricing.errors import InputFileError as PlannerError  # the planner's and the price files' base
 from geotrain.planner.network import DEFAULT_NETWORK, load_network
 from geotrain.planner.profiles import available_profiles, load_profile, read_profile
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from geotrain.planner.catalog import Offer
-from geotrain.planner.egress import load_egress
+from geotrain.pricing.catalog import Offer
+from geotrain.pricing.egress import load_egress
 from geotrain.planner.model import Settings, evaluate
 from geotrain.planner.network import load_network
 from geotrain.planner.profiles import ModelProfile

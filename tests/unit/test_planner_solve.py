@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from geotrain.planner.catalog import Offer
-from geotrain.planner.egress import load_egress
+from geotrain.pricing.catalog import Offer
+from geotrain.pricing.egress import load_egress
 from geotrain.planner.errors import PlannerError
 from geotrain.planner.model import Settings, evaluate
 from geotrain.planner.network import load_network

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from geotrain.planner.catalog import load_catalog
+from geotrain.pricing.catalog import load_catalog
 from geotrain.planner.network import load_network
 from geotrain.planner.profiles import load_profile
 from geotrain.planner.validation import calibrate_convnext, calibrate_roberta, rows

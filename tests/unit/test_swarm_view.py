@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from geotrain.config import ConfigError, CostConfig, EgressPrice, load_config
-from geotrain.metric_records import MetricRecord
-from geotrain.swarm_view import SwarmView, egress_usd_per_gb
+from geotrain.hive.metric_records import MetricRecord
+from geotrain.telemetry.swarm_view import SwarmView, egress_usd_per_gb
 
 GB = 10**9
 
@@ -97,8 +97,8 @@ def test_a_wrong_price_table_is_a_clear_config_error(tmp_path):
 def test_exported_series_follow_the_swarm():
     from prometheus_client import generate_latest
 
-    from geotrain.metrics import SwarmMetrics
-    from geotrain.swarm_view import export
+    from geotrain.telemetry.metrics import SwarmMetrics
+    from geotrain.telemetry.swarm_view import export
 
     def series(metrics) -> list[str]:
         return [line for line in generate_latest(metrics.registry).decode().splitlines()

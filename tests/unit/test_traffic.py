@@ -9,9 +9,9 @@ import shutil
 import pytest
 from pydantic.v1 import ValidationError
 
-from geotrain.metric_records import MetricRecord
-from geotrain.reporting import listen_addresses
-from geotrain.traffic import parse_ss
+from geotrain.hive.metric_records import MetricRecord
+from geotrain.telemetry.reporter import listen_addresses
+from geotrain.telemetry.traffic import parse_ss
 
 SS_OUTPUT = """\
 0      0      127.0.0.1:46324 127.0.0.1:49065 users:(("p2pd",pid=4242,fd=4))

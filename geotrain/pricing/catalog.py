@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from geotrain.planner.errors import PlannerError
-from geotrain.planner.table import read_table
+from geotrain.pricing.errors import InputFileError
+from geotrain.pricing.table import read_table
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "planner"
 DEFAULT_CATALOG = DATA_DIR / "instances.csv"
@@ -78,16 +78,16 @@ def _row_offers(row) -> list[Offer]:
     if gpu.lower() == "none":
         gpu = "none"
         if gpu_count != 0:
-            raise PlannerError(f"{row.where('gpu_count')}: a VM with gpu 'none' must have gpu_count 0, got {gpu_count}")
+            raise InputFileError(f"{row.where('gpu_count')}: a VM with gpu 'none' must have gpu_count 0, got {gpu_count}")
     elif gpu_count == 0:
-        raise PlannerError(f"{row.where('gpu_count')}: gpu {gpu!r} needs gpu_count >= 1; "
+        raise InputFileError(f"{row.where('gpu_count')}: gpu {gpu!r} needs gpu_count >= 1; "
                            "write gpu 'none' for a CPU-only VM")
     vcpus_raw = row.number("vcpus", optional=True, minimum=1)
     vcpus = int(vcpus_raw) if vcpus_raw is not None else None
     on_demand = row.number("on_demand_usd_per_hour", optional=True, minimum=0)
     spot = row.number("spot_usd_per_hour", optional=True, minimum=0)
     if on_demand is None and spot is None:
-        raise PlannerError(f"{row.path}:{row.line}: neither on_demand_usd_per_hour nor spot_usd_per_hour is set; "
+        raise InputFileError(f"{row.path}:{row.line}: neither on_demand_usd_per_hour nor spot_usd_per_hour is set; "
                            "give at least one price")
     interruption = row.number("spot_interruption_rate", optional=True, minimum=0, maximum=0.99)
     source = row.text("source")
@@ -110,10 +110,10 @@ def load_catalog(path: Path | None = None) -> list[Offer]:
         for offer in _row_offers(row):
             seen = continent_of.setdefault(offer.site, (offer.continent, row.line))
             if seen[0] != offer.continent:
-                raise PlannerError(f"{row.where('continent')}: region {offer.region} of {offer.cloud} is on "
+                raise InputFileError(f"{row.where('continent')}: region {offer.region} of {offer.cloud} is on "
                                    f"{seen[0]!r} at line {seen[1]} but on {offer.continent!r} here; "
                                    "a region lies on one continent")
             offers.append(offer)
     if not offers:
-        raise PlannerError(f"{path}: the catalog has no instance lines; add at least one")
+        raise InputFileError(f"{path}: the catalog has no instance lines; add at least one")
     return offers

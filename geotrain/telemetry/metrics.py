@@ -6,7 +6,7 @@ Names follow Prometheus conventions: counters end in ``_total``, durations in ``
 
 :class:`PeerMetrics` is what every peer exports about itself; :class:`SwarmMetrics` is what the
 coordinator exports about the whole swarm, aggregated from the trainers' signed records in the DHT
-(:mod:`geotrain.metric_records`, :mod:`geotrain.swarm_view`).
+(:mod:`geotrain.hive.metric_records`, :mod:`geotrain.telemetry.swarm_view`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
                                start_http_server)
 
 from geotrain.config import MetricsConfig
+from geotrain.errors import UserError
 
 disable_created_metrics()  # no *_created series: they double every counter and no query here needs them
 
 
-class MetricsPortError(RuntimeError):
-    pass
+class MetricsPortError(UserError):
+    """The metrics port cannot be served (in use, or not an address of this machine)."""
 
 
 # Averaging rounds take well under a second on a LAN and tens of seconds between continents.
@@ -121,7 +122,7 @@ class PeerMetrics(_Metrics):
 
 
 class SwarmMetrics(_Metrics):
-    """The coordinator's view of the whole swarm, from the trainers' records (see geotrain.swarm_view)."""
+    """The coordinator's view of the whole swarm, from the trainers' records (see geotrain.telemetry.swarm_view)."""
 
     def __init__(self, run_id: str, config: MetricsConfig | None = None):
         super().__init__(run_id, "coordinator", config)

@@ -20,8 +20,12 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey
+from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, confloat, conint, conlist, constr
+
+from geotrain.hive.keys import metrics_key, read_subkeys
 
 MAX_COUNT = 2**62  # msgpack and strict ints: anything beyond is not a byte or sample count
 MAX_RATE = 1e12
@@ -63,10 +67,6 @@ class MetricsSchema(BaseModel):
     metrics: Dict[BytesWithPublicKey, Optional[MetricRecord]]
 
 
-def metrics_key(run_id: str) -> str:
-    return f"{run_id}_metrics"
-
-
 def record_ttl_s(publish_interval_s: float) -> float:
     """How long a record lives: three missed publications, and never under 30 s."""
     return max(30.0, 3 * publish_interval_s)
@@ -74,8 +74,6 @@ def record_ttl_s(publish_interval_s: float) -> float:
 
 def local_public_key() -> bytes:
     """This process's subkey (``[owner:...]``); hivemind signs records stored under it."""
-    from hivemind.dht.crypto import RSASignatureValidator
-
     return RSASignatureValidator().local_public_key
 
 
@@ -85,8 +83,6 @@ def finite(value: float) -> float:
 
 def store_record(dht, run_id: str, record: MetricRecord | None, ttl_s: float):
     """Start storing this peer's record (``None``: it left); a future of whether a DHT node accepted it."""
-    from hivemind.utils import get_dht_time
-
     value = None if record is None else record.dict()
     return dht.store(metrics_key(run_id), subkey=local_public_key(), value=value,
                      expiration_time=get_dht_time() + ttl_s, return_future=True)
@@ -114,17 +110,12 @@ def read_records(dht, run_id: str) -> dict[str, PeerRecord]:
     Records are told apart by the key that signed them, not by the peer id they claim, so a peer
     that claims another's id adds a row of its own and can not replace the other's.
     """
-    entry = dht.get(metrics_key(run_id), latest=True)
-    if entry is None or not isinstance(entry.value, dict):
-        return {}
     records: dict[str, PeerRecord] = {}
-    for subkey, value in entry.value.items():
-        if value.value is None:
-            continue
+    for subkey, (value, expiration_time) in read_subkeys(dht, metrics_key(run_id)).items():
         try:
-            record = MetricRecord.parse_obj(value.value)
+            record = MetricRecord.parse_obj(value)
         except Exception:  # nodes validate on store; a record from an older version is skipped, not fatal
             continue
         owner = owner_fingerprint(subkey if isinstance(subkey, bytes) else str(subkey).encode())
-        records[owner] = PeerRecord(owner, record, value.expiration_time)
+        records[owner] = PeerRecord(owner, record, expiration_time)
     return records

@@ -2,7 +2,7 @@
 
 All planner tables (instance catalog, egress prices, network matrix) are plain CSV with a header
 row. Lines starting with ``#`` are comments, so a user can note where an edited figure came from.
-Each data row is returned as a :class:`Row` whose typed getters raise :class:`PlannerError`
+Each data row is returned as a :class:`Row` whose typed getters raise :class:`InputFileError`
 naming ``file:line``, the column and the expected form::
 
     for row in read_table(path, required=["cloud", "region"]):
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from geotrain.planner.errors import PlannerError
+from geotrain.pricing.errors import InputFileError
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Row:
     def text(self, column: str, optional: bool = False) -> str:
         value = self.values.get(column, "").strip()
         if not value and not optional:
-            raise PlannerError(f"{self.where(column)}: value is missing; fill it in or remove the line")
+            raise InputFileError(f"{self.where(column)}: value is missing; fill it in or remove the line")
         return value
 
     def number(self, column: str, optional: bool = False, minimum: float | None = None,
@@ -42,10 +42,10 @@ class Row:
         try:
             value = float(raw)
         except ValueError:
-            raise PlannerError(f"{self.where(column)}: {raw!r} is not a number; expected e.g. 0.18") from None
+            raise InputFileError(f"{self.where(column)}: {raw!r} is not a number; expected e.g. 0.18") from None
         if value != value or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
             bounds = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
-            raise PlannerError(f"{self.where(column)}: {raw} is out of range; expected a number {bounds}")
+            raise InputFileError(f"{self.where(column)}: {raw} is out of range; expected a number {bounds}")
         return value
 
     def integer(self, column: str, minimum: int = 0) -> int:
@@ -53,15 +53,15 @@ class Row:
         try:
             value = int(raw)
         except ValueError:
-            raise PlannerError(f"{self.where(column)}: {raw!r} is not a whole number; expected e.g. 1") from None
+            raise InputFileError(f"{self.where(column)}: {raw!r} is not a whole number; expected e.g. 1") from None
         if value < minimum:
-            raise PlannerError(f"{self.where(column)}: {value} is out of range; expected a whole number >= {minimum}")
+            raise InputFileError(f"{self.where(column)}: {value} is out of range; expected a whole number >= {minimum}")
         return value
 
     def choice(self, column: str, choices: tuple[str, ...]) -> str:
         raw = self.text(column)
         if raw not in choices:
-            raise PlannerError(f"{self.where(column)}: {raw!r} is not allowed; expected one of {', '.join(choices)}")
+            raise InputFileError(f"{self.where(column)}: {raw!r} is not allowed; expected one of {', '.join(choices)}")
         return raw
 
 
@@ -71,7 +71,7 @@ def read_table(path: Path, required: list[str]) -> Iterator[Row]:
     try:
         text = path.read_text()
     except OSError as error:
-        raise PlannerError(f"cannot read {path}: {error.strerror}; check the path") from None
+        raise InputFileError(f"cannot read {path}: {error.strerror}; check the path") from None
     lines = text.splitlines()
     header: list[str] | None = None
     for number, line in enumerate(lines, start=1):
@@ -82,12 +82,12 @@ def read_table(path: Path, required: list[str]) -> Iterator[Row]:
             header = [cell.strip() for cell in cells]
             missing = [name for name in required if name not in header]
             if missing:
-                raise PlannerError(f"{path}:{number}: header lacks column(s) {', '.join(missing)}; "
+                raise InputFileError(f"{path}:{number}: header lacks column(s) {', '.join(missing)}; "
                                    f"expected at least: {', '.join(required)}")
             continue
         if len(cells) != len(header):
-            raise PlannerError(f"{path}:{number}: has {len(cells)} fields but the header has {len(header)} "
+            raise InputFileError(f"{path}:{number}: has {len(cells)} fields but the header has {len(header)} "
                                f"({', '.join(header)}); check for a missing or extra comma")
         yield Row(path, number, dict(zip(header, cells)))
     if header is None:
-        raise PlannerError(f"{path}: no header row; expected a CSV header with: {', '.join(required)}")
+        raise InputFileError(f"{path}: no header row; expected a CSV header with: {', '.join(required)}")

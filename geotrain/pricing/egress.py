@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from geotrain.planner.catalog import DATA_DIR, Offer
-from geotrain.planner.errors import PlannerError
-from geotrain.planner.table import read_table
+from geotrain.pricing.catalog import DATA_DIR, Offer
+from geotrain.pricing.errors import InputFileError
+from geotrain.pricing.table import read_table
 
 DEFAULT_EGRESS = DATA_DIR / "egress.csv"
 KINDS = ("inter_zone", "inter_region", "between_continents", "internet", "data_loading")
@@ -57,7 +57,7 @@ class EgressPrices:
             kind = "between_continents"
         price = self._lookup(source.cloud, kind, destination.continent)
         if price is None:
-            raise PlannerError(f"{self.path or 'egress prices'}: no {kind} price for cloud {source.cloud!r} "
+            raise InputFileError(f"{self.path or 'egress prices'}: no {kind} price for cloud {source.cloud!r} "
                                f"(to continent {destination.continent!r}); add a line "
                                f"'{source.cloud},{kind},{destination.continent},USD_PER_GB,SOURCE'")
         return price
@@ -71,7 +71,7 @@ class EgressPrices:
         known = {cloud for cloud, kind, _ in self.prices if kind != "data_loading"}
         missing = sorted(clouds - known)
         if missing and "*" not in known:
-            raise PlannerError(f"{self.path or 'egress prices'}: no egress prices for cloud(s) {', '.join(missing)} "
+            raise InputFileError(f"{self.path or 'egress prices'}: no egress prices for cloud(s) {', '.join(missing)} "
                                "that the catalog lists; add their lines (kind inter_region, between_continents, "
                                "internet)")
 

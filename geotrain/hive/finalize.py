@@ -16,38 +16,28 @@ from __future__ import annotations
 import logging
 import time
 
+from hivemind.utils import get_dht_time
+
+from geotrain.hive.keys import final_key, read_progress, read_subkeys
+from geotrain.hive.state import parameters_sha256
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
 
 
-def final_key(run_id: str) -> str:
-    return f"{run_id}_final"
-
-
 def _final_records(dht, run_id: str) -> dict[str, dict]:
-    record = dht.get(final_key(run_id), latest=True)
-    if record is None or not isinstance(record.value, dict):
-        return {}
-    records = {}
-    for subkey, entry in record.value.items():
-        if isinstance(entry.value, dict) and isinstance(entry.value.get("sha256"), str):
-            records[str(subkey)] = entry.value
-    return records
+    return {str(subkey): value for subkey, (value, _) in read_subkeys(dht, final_key(run_id)).items()
+            if isinstance(value, dict) and isinstance(value.get("sha256"), str)}
 
 
 def _store(dht, run_id: str, peer_id: str, value: dict, timeout_s: float) -> None:
-    from hivemind.utils import get_dht_time
-
     dht.store(final_key(run_id), subkey=peer_id, value=value, expiration_time=get_dht_time() + 2 * timeout_s)
 
 
 def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_mode: bool,
                          timeout_s: float) -> tuple[str, bool]:
     """Make this peer's parameters equal the finalizer's. Returns (parameters sha256, agreed)."""
-    from geotrain.swarm import read_progress
-    from geotrain.trainer import parameters_sha256
-
     peer_id = str(dht.peer_id)
     optimizer.state_averager.step(wait_for_delayed_updates=True)
 

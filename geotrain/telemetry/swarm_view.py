@@ -1,7 +1,7 @@
 """The swarm as a whole, from the trainers' metric records: throughput, who is where, progress, cost.
 
 The coordinator (and ``geotrain status``) reads every trainer's record from the DHT
-(:mod:`geotrain.metric_records`) a few times a minute and folds them into one :class:`SwarmSnapshot`:
+(:mod:`geotrain.hive.metric_records`) a few times a minute and folds them into one :class:`SwarmSnapshot`:
 
 - samples/s: the sum of the alive trainers' own samples/s over their last epoch;
 - peers by region and cloud, joins and departures since the last look;
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from geotrain.config import CostConfig
-from geotrain.metric_records import MetricRecord
+from geotrain.hive.metric_records import MetricRecord
 
 BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB
 SECONDS_PER_HOUR = 3600.0
@@ -131,7 +131,7 @@ class SwarmView:
 
 
 def export(snapshot: SwarmSnapshot, metrics, cost: CostConfig) -> None:
-    """Set the coordinator's :class:`geotrain.metrics.SwarmMetrics` from a snapshot."""
+    """Set the coordinator's :class:`geotrain.telemetry.metrics.SwarmMetrics` from a snapshot."""
     metrics.samples_per_second.set(snapshot.samples_per_second)
     metrics.global_epoch.set(snapshot.global_epoch)
     if snapshot.granularity is not None:

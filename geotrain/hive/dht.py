@@ -1,4 +1,4 @@
-"""Joining the swarm: DHT construction, addresses, identity, validators and key names.
+"""Joining the swarm: DHT construction, addresses, identity and record validators.
 
 Both roles (trainer and coordinator) join through :func:`start_dht`, so a wrong address, a port
 in use or an initial peer that does not answer gives the same clear error everywhere.
@@ -11,18 +11,19 @@ import logging
 import socket
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
+import hivemind
+from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
+from hivemind.optim.progress_tracker import TrainingProgressSchema
+
 from geotrain.config import SwarmConfig
+from geotrain.errors import SwarmUnreachableError, UserError
+from geotrain.hive.metric_records import MetricsSchema
 
 logger = logging.getLogger(__name__)
 
 
-class SwarmJoinError(RuntimeError):
-    """This peer could not join the swarm; the message says why and what to check."""
-
-
-def progress_key(run_id: str) -> str:
-    """DHT key under which hivemind.Optimizer publishes every peer's training progress."""
-    return f"{run_id}_progress"
+class ListenError(UserError):
+    """This peer cannot listen where it was told to (port in use, foreign address, identity in use)."""
 
 
 def ensure_port_free(host: str, port: int, what: str, flag: str) -> None:
@@ -35,31 +36,24 @@ def ensure_port_free(host: str, port: int, what: str, flag: str) -> None:
             probe.bind((host, port))
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
-                raise SwarmJoinError(
+                raise ListenError(
                     f"{what} port {port} on {host} is already in use (another peer or program listens there); "
                     f"choose another with {flag} or stop the other program") from None
             if error.errno == errno.EADDRNOTAVAIL:
-                raise SwarmJoinError(
+                raise ListenError(
                     f"{what} address {host} is not an address of this machine; use 0.0.0.0 to listen on all "
                     "interfaces and --announce-host for the public address") from None
-            raise SwarmJoinError(f"cannot listen on {host}:{port} for the {what}: {error.strerror}") from None
+            raise ListenError(f"cannot listen on {host}:{port} for the {what}: {error.strerror}") from None
 
 
 def record_validators(run_id: str):
     """Validators that make every peer reject unsigned or malformed progress and metric records."""
-    from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
-    from hivemind.optim.progress_tracker import TrainingProgressSchema
-
-    from geotrain.metric_records import MetricsSchema
-
     return [SchemaValidator(TrainingProgressSchema, prefix=run_id), SchemaValidator(MetricsSchema, prefix=run_id),
             RSASignatureValidator()]
 
 
 def start_dht(swarm: SwarmConfig):
-    """Start this peer's DHT node; raise :class:`SwarmJoinError` with an operator's message on failure."""
-    import hivemind
-
+    """Start this peer's DHT node; raise :class:`ListenError` or :class:`SwarmUnreachableError` with an operator's message."""
     ensure_port_free(swarm.host, swarm.port, "DHT", "--port")
     if swarm.identity_path is not None:
         swarm.identity_path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +71,7 @@ def start_dht(swarm: SwarmConfig):
         dht.wait_until_ready(timeout=swarm.bootstrap_timeout_s)
     except FutureTimeoutError:
         _stop_dht(dht)
-        raise SwarmJoinError(
+        raise SwarmUnreachableError(
             f"no initial peer answered within {swarm.bootstrap_timeout_s:.0f} s "
             f"({', '.join(swarm.initial_peers) or 'none given'}); check that the coordinator is running and "
             "that its TCP port is open from this machine") from None
@@ -85,14 +79,14 @@ def start_dht(swarm: SwarmConfig):
         _stop_dht(dht)
         message = str(error)
         if "none of the initial_peers responded" in message or "failed to connect to bootstrap peers" in message:
-            raise SwarmJoinError(
+            raise SwarmUnreachableError(
                 f"none of the initial peers answered ({', '.join(swarm.initial_peers)}); check that the "
                 "coordinator is running and that its TCP port is open from this machine") from None
         if "already taken" in message:
-            raise SwarmJoinError(
+            raise ListenError(
                 f"the identity in {swarm.identity_path} is already used by a running peer; each peer needs its "
                 "own identity file") from None
-        raise SwarmJoinError(f"could not start the DHT node: {message}") from None
+        raise SwarmUnreachableError(f"could not start the DHT node: {message}") from None
     return dht
 
 
@@ -108,61 +102,6 @@ def _stop_dht(dht) -> None:
 def visible_addresses(dht) -> list[str]:
     """Full multiaddrs (with /p2p/PEER_ID) that other peers can pass as --initial-peers."""
     return [str(address) for address in dht.get_visible_maddrs()]
-
-
-def trainers_key(run_id: str) -> str:
-    """DHT key where trainers announce themselves as soon as they join (before their first step)."""
-    return f"{run_id}_trainers"
-
-
-PRESENCE_TTL_S = 120.0
-
-
-def announce_trainer(dht, run_id: str, peer_id: str) -> None:
-    from hivemind.utils import get_dht_time
-
-    dht.store(trainers_key(run_id), subkey=peer_id, value=get_dht_time(),
-              expiration_time=get_dht_time() + PRESENCE_TTL_S)
-
-
-def announced_trainers(dht, run_id: str) -> set[str]:
-    record = dht.get(trainers_key(run_id), latest=True)
-    if record is None or not isinstance(record.value, dict):
-        return set()
-    return {str(subkey) for subkey in record.value}
-
-
-def read_progress(dht, run_id: str) -> dict[str, "object"]:
-    """peer id -> hivemind LocalTrainingProgress, from the signed records every trainer publishes."""
-    from hivemind.optim.progress_tracker import LocalTrainingProgress
-    from hivemind.p2p import PeerID
-
-    record = dht.get(progress_key(run_id), latest=True)
-    if record is None or not isinstance(record.value, dict):
-        return {}
-    progress = {}
-    for entry in record.value.values():
-        if entry.value is None:
-            continue
-        try:
-            parsed = LocalTrainingProgress.parse_obj(entry.value)
-        except Exception:  # the schema validator rejects malformed records on store; stay defensive on read
-            continue
-        progress[str(PeerID(parsed.peer_id))] = parsed
-    return progress
-
-
-def best_donor_epoch(dht, run_id: str) -> float:
-    """The highest state-sharing priority announced in the swarm (trainers announce their epoch).
-
-    A coordinator holding a checkpoint announces its epoch here too, which is how trainers that start
-    after every other trainer left find the state to continue from.
-    """
-    record = dht.get(f"{run_id}_state_averager.all_averagers", latest=True)
-    if record is None or not isinstance(record.value, dict):
-        return 0.0
-    priorities = [entry.value for entry in record.value.values() if isinstance(entry.value, (int, float))]
-    return max(priorities, default=0.0)
 
 
 async def _connected_peer_addresses(_dht, node) -> list[str]:

@@ -36,7 +36,7 @@ import yaml
 
 from geotrain.lifecycle import die_with_parent
 
-MONITORING_DIR = Path(__file__).resolve().parent.parent / "monitoring"
+MONITORING_DIR = Path(__file__).resolve().parents[2] / "monitoring"
 RULES_GLOB = "rules/*.yml"
 CONSOLE_PAGE = "geotrain.html"
 DEFAULT_PORT = 9090
@@ -128,7 +128,7 @@ class PrometheusServer:
                 "file_sd_configs": [{"files": [str(self.targets_path)], "refresh_interval": interval}],
             }],
         }
-        self.config_path.write_text("# written by geotrain (geotrain/prometheus_server.py)\n" +
+        self.config_path.write_text("# written by geotrain (geotrain/telemetry/prometheus_server.py)\n" +
                                     yaml.safe_dump(config, sort_keys=False))
         return self.config_path
 

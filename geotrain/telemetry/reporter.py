@@ -2,12 +2,12 @@
 
 Each period (``metrics.publish_interval_s``) the reporter
 
-1. reads the kernel's TCP counters of the peer's connections (:mod:`geotrain.traffic`),
+1. reads the kernel's TCP counters of the peer's connections (:mod:`geotrain.telemetry.traffic`),
 2. attributes the new bytes of each connection to the region of the peer at its far end (from the
    addresses in the other peers' records; ``unknown`` while that peer has published none),
 3. adds them to the peer's Prometheus counters (``geotrain_sent_bytes_total{destination_region}``,
    ``geotrain_received_bytes_total``), and
-4. stores the peer's signed record (:mod:`geotrain.metric_records`) with its progress and traffic.
+4. stores the peer's signed record (:mod:`geotrain.hive.metric_records`) with its progress and traffic.
 
 On leaving it stores an empty record, so the swarm view drops the peer at once.
 """
@@ -19,9 +19,12 @@ import os
 import threading
 from dataclasses import dataclass
 
+from hivemind.utils import get_dht_time
+
 from geotrain.config import MetricsConfig
-from geotrain.metric_records import MetricRecord, finite, publish, read_records, record_ttl_s, store_record
-from geotrain.traffic import TrafficMeter
+from geotrain.hive.dht import visible_addresses
+from geotrain.hive.metric_records import MetricRecord, finite, publish, read_records, record_ttl_s, store_record
+from geotrain.telemetry.traffic import TrafficMeter
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,6 @@ class MetricsReporter(threading.Thread):
     def __init__(self, dht, run_id: str, role: str, config: MetricsConfig, progress: PeerProgress,
                  peer_metrics=None):
         super().__init__(name="metrics-reporter", daemon=True)
-        from geotrain.swarm import visible_addresses
-
         self.dht = dht
         self.run_id = run_id
         self.role = role
@@ -81,8 +82,6 @@ class MetricsReporter(threading.Thread):
                 logger.debug("metric record not published: %s", error)
 
     def report_once(self) -> None:
-        from hivemind.utils import get_dht_time
-
         self.count_traffic()
         progress = self.progress
         record = MetricRecord(

@@ -1,4 +1,4 @@
-"""The swarm's training state as one dict: what the coordinator checkpoints and restores.
+"""The swarm's training state as one dict (what the coordinator checkpoints and restores), and its hash.
 
 hivemind keeps the optimizer's copy of the parameters apart from the model's (``offload_optimizer``),
 and serves newcomers from the optimizer's copy; a restore must set both, and the epoch.
@@ -6,7 +6,18 @@ and serves newcomers from the optimizer's copy; a restore must set both, and the
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
+
+
+def parameters_sha256(model: torch.nn.Module) -> str:
+    """Hash of every parameter's bytes in a fixed order: equal across peers iff their weights are equal."""
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(parameter.detach().to("cpu").contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def optimizer_parameters(optimizer) -> list[torch.Tensor]:

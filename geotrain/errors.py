@@ -1,0 +1,24 @@
+"""What a command can end with, and the exit code each outcome gets.
+
+- :class:`UserError` (exit 2): something the user must fix (a config key, a path, a port, a file). The
+  shipped systemd unit does not restart on it: restarting cannot help.
+- :class:`SwarmUnreachableError` (exit 3): no peer of the swarm answered; worth retrying later.
+- 75: a trainer left after a preemption notice (:data:`geotrain.preemption.EXIT_PREEMPTED`).
+- 143: a stop did not finish within its deadline and the watchdog ended the process.
+- 1: anything unexpected (a bug: the log has the traceback).
+
+Every message says what was wrong, what was expected and what to do, and is printed as it is.
+"""
+
+EXIT_OK = 0
+EXIT_UNEXPECTED = 1
+EXIT_BAD_INPUT = 2
+EXIT_SWARM_UNREACHABLE = 3
+
+
+class UserError(ValueError):
+    """The user must fix something; the message says what and how (exit code 2)."""
+
+
+class SwarmUnreachableError(RuntimeError):
+    """No initial peer answered, so this peer could not join the swarm (exit code 3)."""

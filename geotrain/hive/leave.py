@@ -1,0 +1,54 @@
+"""Leaving the swarm: a goodbye the others see at once, then hivemind's shutdown within the stop's deadline."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from hivemind.utils import get_dht_time
+
+from geotrain.hive.keys import progress_key
+from geotrain.lifecycle import Stopper
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_RESERVE_S = 4.0  # what a stop keeps for the DHT's own shutdown after the optimizer's
+UNHURRIED_SHUTDOWN_S = 30.0  # the optimizer's share when no deadline is set (end of a run)
+GOODBYE_TIMEOUT_S = 2.0
+
+
+def leave_swarm(dht, optimizer, run_id: str, stopper: Stopper, reporter=None) -> None:
+    """Say goodbye, shut the optimizer down within the stop's deadline, then the DHT node.
+
+    The goodbye (an empty progress record) goes first, right after hivemind's progress reports are
+    stopped: the tracker publishes an empty record on shutdown without waiting for it, and once the
+    averagers are gone the DHT node can spend seconds on their dangling requests, so a record stored after
+    them can come too late. With it, the others stop counting on this peer's samples at once. The metric
+    record is withdrawn at the same time, so the swarm view drops this peer at once too. The optimizer's
+    shutdown gets what is left of the deadline: in a round that already started it tags along with zero
+    weight, so the round completes for the others. (hivemind offers no way to hand in a partial
+    accumulation outside a round; those samples are lost, and the swarm's epoch is filled by the others.)
+    """
+    # hivemind's tracker reports progress in the background, and once more when it is shut down: stop it
+    # first, or that last report (stored after the goodbye, so with a later expiration) revives this peer
+    # for the others until it expires, and they wait for it in matchmaking
+    optimizer.tracker.shutdown(timeout=GOODBYE_TIMEOUT_S)
+    goodbyes = [dht.store(progress_key(run_id), subkey=optimizer.tracker._local_public_key, value=None,
+                          expiration_time=get_dht_time() + optimizer.tracker.metadata_expiration,
+                          return_future=True)]
+    if reporter is not None:
+        goodbyes.append(reporter.withdraw())
+    deadline = time.monotonic() + GOODBYE_TIMEOUT_S
+    for goodbye in goodbyes:
+        try:
+            goodbye.result(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception as error:  # leaving anyway; the record then expires on its own
+            logger.debug("goodbye record not stored: %s", error)
+    budget_s = max(1.0, stopper.seconds_left(UNHURRIED_SHUTDOWN_S) - SHUTDOWN_RESERVE_S)
+    shutdown = threading.Thread(target=optimizer.shutdown, name="optimizer-shutdown", daemon=True)
+    shutdown.start()
+    shutdown.join(budget_s)
+    if shutdown.is_alive():
+        logger.warning("hivemind's optimizer did not shut down within %.0f s; leaving without it", budget_s)
+    dht.shutdown()

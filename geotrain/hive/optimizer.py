@@ -1,0 +1,99 @@
+"""hivemind.Optimizer as geotrain builds it: the one place where the config's optimizer knobs are mapped.
+
+:func:`build_hivemind_optimizer` is used by trainers and by the coordinator (which holds the same state
+without ever stepping). :class:`MeasuredOptimizer` reports how each gradient averaging round ended.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import hivemind
+import torch
+from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.optim.grad_averager import GradientAverager
+from timm.optim import Lamb
+
+from geotrain.config import GeotrainConfig
+
+
+def build_torch_optimizer_factory(config: GeotrainConfig):
+    opt = config.optimizer
+    if opt.optimizer == "sgd":
+        return partial(torch.optim.SGD, lr=opt.learning_rate, momentum=0.9, weight_decay=opt.weight_decay)
+    if opt.optimizer == "adam":
+        return partial(torch.optim.Adam, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+    if opt.optimizer == "adamw":
+        return partial(torch.optim.AdamW, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+    return partial(Lamb, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+
+
+def build_compression(name: str):
+    return {"none": NoCompression, "fp16": Float16Compression, "uniform8bit": Uniform8BitQuantization}[name]()
+
+
+def averaging_round_result(control) -> str:
+    """ok, timeout or failed: how one gradient averaging round (a hivemind StepControl) ended."""
+    if not control.done():
+        return "timeout"  # hivemind stopped waiting for it (averaging_timeout)
+    if control.cancelled():
+        return "failed"
+    error = control.exception()
+    if error is None:
+        return "ok"
+    return "timeout" if isinstance(error, TimeoutError) else "failed"
+
+
+class MeasuredOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer that reports how each gradient averaging round ended and how long it took.
+
+    The duration is how long this peer waited for the round once its own gradients were ready
+    (matchmaking that was still going on, then all-reduce); with delayed updates that wait runs in
+    the background, next to the next epoch's compute.
+    """
+
+    on_averaging_round = None  # callable(result, duration_s)
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+        started = time.perf_counter()
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        if maybe_step_control is not None and self.on_averaging_round is not None:
+            self.on_averaging_round(averaging_round_result(maybe_step_control), time.perf_counter() - started)
+
+
+def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module, on_averaging_round=None):
+    """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped)."""
+    opt = config.optimizer
+    delayed = opt.delayed_parameter_updates
+    # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory
+    grad_averager_factory = partial(GradientAverager, request_timeout=opt.request_timeout_s)
+    optimizer = MeasuredOptimizer(
+        dht=dht,
+        run_id=config.swarm.run_id,
+        target_batch_size=opt.target_batch_size,
+        batch_size_per_step=opt.batch_size_per_step,
+        optimizer=build_torch_optimizer_factory(config),
+        params=model.parameters(),
+        matchmaking_time=opt.matchmaking_time_s,
+        averaging_timeout=opt.averaging_timeout_s,
+        load_state_timeout=opt.load_state_timeout_s,
+        # hivemind inverts a non-None client_mode into dht.client_mode; passing the same value keeps both equal
+        client_mode=config.swarm.client_mode,
+        delay_optimizer_step=delayed,
+        delay_grad_averaging=delayed,
+        use_local_updates=opt.use_local_updates,
+        average_state_every=opt.average_state_every,
+        grad_compression=build_compression(opt.grad_compression),
+        grad_averager_factory=grad_averager_factory,
+        averager_opts={"request_timeout": opt.request_timeout_s},
+        # a peer must notice soon that the swarm reached the target batch, or it runs on alone; the
+        # bound on the refresh period keeps that lag small next to an epoch
+        tracker_opts={"default_refresh_period": opt.progress_refresh_s,
+                      "min_refresh_period": min(0.5, opt.progress_refresh_s),
+                      "max_refresh_period": max(2.0, 4 * opt.progress_refresh_s)},
+        state_averaging_compression=build_compression(opt.grad_compression),
+        verbose=False,
+    )
+    optimizer.on_averaging_round = on_averaging_round
+    return optimizer
