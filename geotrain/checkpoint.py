@@ -28,7 +28,8 @@ What a caller can rely on:
   checkpoint from a shared bucket can hold tensors but not a pickled program. ``save`` therefore accepts
   only what that can read back (tensors, numbers, strings, bytes, None, torch dtypes/devices/sizes, and
   lists, tuples, sets and dicts of these) and names the offending key before it writes anything.
-- **Mirror** (``mirror_url``, any fsspec URL; ``s3://`` needs the ``s3fs`` package): after the local save
+- **Mirror** (``mirror_url``, any fsspec URL; ``s3://`` needs ``pip install 'geotrain[s3]'``, ``gs://``
+  ``geotrain[gcs]``, ``az://`` ``geotrain[azure]``; see :data:`MIRROR_EXTRAS`): after the local save
   the data object is uploaded under its final name and its remote size checked, then the manifest is
   uploaded last: object stores have no rename, so the manifest is what makes a remote checkpoint exist.
   The mirror keeps the same ``keep`` versions. A failed upload is logged and the local checkpoint stays;
@@ -37,7 +38,11 @@ What a caller can rely on:
 
 Pass credentials and a custom endpoint (MinIO, Ceph, R2, a test server) through ``storage_options``, e.g.
 ``{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}, "key": ..., "secret": ...}``; without them
-s3fs finds credentials the way boto3 does (environment, ``~/.aws``, the instance's role).
+s3fs finds credentials the way boto3 does (environment, ``~/.aws``, the instance's role), and the endpoint
+from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``. A mirror whose driver is not installed, an unknown
+protocol, a URL without a bucket, or storage options that are not a mapping raise
+:class:`~geotrain.errors.UserError` when the store is built, before anything is read or written; a mirror
+that cannot be reached shows only when it is first used (see ``save`` and ``load_latest``).
 
 One store writes to a directory (and a mirror URL) at a time: the coordinator. Any number of other stores
 may read the same directory meanwhile (``list``, ``load_latest``, e.g. a test or an operator's script): a
@@ -49,6 +54,7 @@ new VM never reuses one.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -56,6 +62,7 @@ import posixpath
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +70,8 @@ from typing import Any
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
+
+from geotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +90,17 @@ _TEMPORARY_NAME = re.compile(r"^\.checkpoint-\d+\.(pt|json)\.tmp$")
 _LEAF_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 _MAPPING_TYPES = (dict, OrderedDict)
 _SEQUENCE_TYPES = (list, tuple, set)
+
+# mirror URL protocol -> (the extra of setup.cfg that installs its fsspec driver, the driver's package/module)
+MIRROR_EXTRAS = {
+    "s3": ("s3", "s3fs"), "s3a": ("s3", "s3fs"),
+    "gs": ("gcs", "gcsfs"), "gcs": ("gcs", "gcsfs"),
+    "az": ("azure", "adlfs"), "abfs": ("azure", "adlfs"), "abfss": ("azure", "adlfs"), "adl": ("azure", "adlfs"),
+}
+_MIRROR_EXAMPLES = ("s3://bucket/run (pip install 'geotrain[s3]'), gs://bucket/run (pip install 'geotrain[gcs]'), "
+                    "az://container/run (pip install 'geotrain[azure]') or a local path")
+# a URL that is only a protocol, such as "s3://"
+_PROTOCOL_ONLY = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/*$")
 
 
 @dataclass(frozen=True)
@@ -221,6 +241,27 @@ def _verify_data_file(path: Path, manifest: dict[str, Any], where: str) -> None:
         raise CheckpointError(f"{where}: checksum mismatch: expected {manifest['sha256']}, got {sha256}")
 
 
+def _missing_driver_message(url: str, protocol: str) -> str:
+    extra, package = MIRROR_EXTRAS[protocol]
+    return f"checkpoint mirror {url} needs the {package} package: pip install 'geotrain[{extra}]'"
+
+
+def _check_storage_options(url: str, storage_options) -> None:
+    """Refuse options that no fsspec driver could take; drivers check their values only on first use."""
+    if not isinstance(storage_options, Mapping):
+        raise UserError(f"checkpoint mirror {url}: storage options must be a mapping of option names to values, "
+                        "e.g. {key: ..., secret: ..., client_kwargs: {endpoint_url: https://...}}; got "
+                        f"{type(storage_options).__name__} {storage_options!r:.80}")
+    for name, value in storage_options.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise UserError(f"checkpoint mirror {url}: storage option names must be words such as key, secret, "
+                            f"client_kwargs; got {name!r}")
+        # client_kwargs, config_kwargs, s3_additional_kwargs ...: fsspec drivers pass these on as keyword arguments
+        if name.endswith("_kwargs") and value is not None and not isinstance(value, Mapping):
+            raise UserError(f"checkpoint mirror {url}: storage option {name} must be a mapping, e.g. "
+                            f"{{endpoint_url: https://...}}; got {type(value).__name__} {value!r:.80}")
+
+
 class CheckpointStore:
     """Atomic, versioned checkpoints in a local directory, optionally mirrored to an fsspec URL (s3://bucket/run).
 
@@ -230,6 +271,8 @@ class CheckpointStore:
     :param config_yaml: the resolved config the state belongs to; stored in every manifest with its sha256,
         so that a checkpoint says which run and settings produced it.
     :param storage_options: passed to the fsspec filesystem of ``mirror_url`` (credentials, endpoint).
+    :raises geotrain.errors.UserError: for a mirror that cannot be opened (driver not installed, unknown
+        protocol, no bucket, storage options that are not a mapping); nothing is written before.
     """
 
     def __init__(self, directory: Path, keep: int = 3, mirror_url: str | None = None,
@@ -248,19 +291,44 @@ class CheckpointStore:
         self._mirror_numbering_asked = False
         self._leftovers_removed = False
         if self.mirror_url:
-            self._mirror_fs, self._mirror_root = self._open_mirror(self.mirror_url, storage_options or {})
+            # the URL as given: "s3://" must be refused, not read as a local folder "s3:" once stripped
+            self._mirror_fs, self._mirror_root = self._open_mirror(
+                mirror_url, {} if storage_options is None else storage_options)
         self.directory.mkdir(parents=True, exist_ok=True)
 
     @staticmethod
-    def _open_mirror(url: str, storage_options: dict):
+    def _open_mirror(url: str, storage_options) -> tuple[Any, str]:
+        """The mirror's fsspec filesystem and root; raises UserError for what the user must fix.
+
+        Nothing is contacted here (fsspec drivers connect on first use), so a wrong endpoint or credentials
+        show at the first listing or upload, with the driver's message.
+        """
+        _check_storage_options(url, storage_options)
+        parts = url.split("::")  # fsspec chains, e.g. simplecache::s3://bucket/run
+        if _PROTOCOL_ONLY.match(parts[-1]):
+            raise UserError(f"checkpoint mirror {url}: names no bucket or folder; expected e.g. "
+                            f"{_MIRROR_EXAMPLES}")
+        for part in parts:
+            protocol = fsspec.utils.get_protocol(part)
+            extra = MIRROR_EXTRAS.get(protocol)
+            if extra is not None and importlib.util.find_spec(extra[1]) is None:
+                raise UserError(_missing_driver_message(url, protocol))
+            if protocol not in fsspec.available_protocols() and protocol not in fsspec.registry:
+                raise UserError(f"checkpoint mirror {url}: unknown storage protocol {protocol}://; expected "
+                                f"{_MIRROR_EXAMPLES}, or another protocol of fsspec with its package installed")
         try:
             filesystem, root = fsspec.core.url_to_fs(url, **storage_options)
         except ImportError as error:
-            raise ImportError(f"checkpoint mirror {url}: the fsspec driver for this URL is not installed "
-                              f"({error}); for s3:// run `pip install s3fs`") from None
+            # the driver is there but does not import (a dependency missing or of the wrong version)
+            protocol = next((p for p in map(fsspec.utils.get_protocol, parts) if p in MIRROR_EXTRAS), None)
+            reason = str(error) if error.__cause__ is None else f"{error}: {error.__cause__}"
+            if protocol is not None:
+                raise UserError(f"{_missing_driver_message(url, protocol)} (importing it failed: {reason})") from None
+            raise UserError(f"checkpoint mirror {url}: its fsspec driver is not installed or does not import "
+                            f"({reason})") from None
         except (ValueError, TypeError) as error:
-            raise ValueError(f"checkpoint mirror {url}: cannot open it with storage_options "
-                             f"{sorted(storage_options)}: {error}") from None
+            raise UserError(f"checkpoint mirror {url}: cannot open it with the storage options "
+                            f"{sorted(storage_options)}: {error}") from None
         return filesystem, root.rstrip("/")
 
     def _remove_leftovers(self) -> None:

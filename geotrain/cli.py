@@ -208,6 +208,10 @@ def run_local(args: argparse.Namespace) -> int:
         raise ConfigError("--peers: expected at least 1 trainer")
     if args.epochs < 1:
         raise ConfigError("--epochs: expected at least 1 epoch")
+    if args.metrics_base_port is not None and not 1 <= args.metrics_base_port <= 65535 - args.peers:
+        raise ConfigError(f"--metrics-base-port: {args.peers} trainers and the coordinator serve metrics on ports "
+                          f"{args.metrics_base_port} to {args.metrics_base_port + args.peers}; expected a base port "
+                          f"from 1 to {65535 - args.peers}")
     prometheus_options = {}
     for flag, key in (("--prometheus-port", "prometheus_port"), ("--prometheus-scrape-interval", "scrape_interval_s")):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))

@@ -19,6 +19,8 @@ value in the config wins over the profile. See :data:`NETWORK_PROFILES` for the 
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -58,10 +60,15 @@ class _Strict(BaseModel):
 # matchmaking time, or two peers asking each other can deadlock until the averaging timeout.
 # progress_refresh_s is how often a peer that sees no others looks again for their progress records;
 # on a LAN a look-up is cheap, across oceans each one costs several round trips.
+# progress_expiration_s is how long a peer's progress record lives; a live peer renews it every half of
+# that. A peer that died without a goodbye (SIGKILL, a VM gone) stays "in the swarm" for the others
+# until its record expires: they keep counting its samples and wait for it in matchmaking. Short on
+# loopback and LAN, where a renewal costs milliseconds; hivemind's 60 s between continents.
 # fp16 gradient compression halves the traffic at no measurable loss of accuracy [EMJ24 used it
 # in every run]; it is the default everywhere.
 NETWORK_PROFILES: dict[str, dict[str, Any]] = {
     "loopback": {
+        "progress_expiration_s": 10.0,
         "matchmaking_time_s": 1.5,
         "request_timeout_s": 0.5,
         "averaging_timeout_s": 10.0,
@@ -70,6 +77,7 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
         "delayed_parameter_updates": False,
     },
     "lan": {
+        "progress_expiration_s": 20.0,
         "matchmaking_time_s": 3.0,
         "request_timeout_s": 1.0,
         "averaging_timeout_s": 60.0,
@@ -78,6 +86,7 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
         "delayed_parameter_updates": False,
     },
     "continent": {
+        "progress_expiration_s": 30.0,
         "matchmaking_time_s": 10.0,
         "request_timeout_s": 3.0,
         "averaging_timeout_s": 180.0,
@@ -86,6 +95,7 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
         "delayed_parameter_updates": False,
     },
     "intercontinental": {
+        "progress_expiration_s": 60.0,
         "matchmaking_time_s": 20.0,
         "request_timeout_s": 5.0,
         "averaging_timeout_s": 600.0,
@@ -94,6 +104,74 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
         "delayed_parameter_updates": True,
     },
 }
+
+
+_BASE58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+_HOST_PROTOCOLS = {"ip4", "ip6", "dns", "dns4", "dns6"}
+_MULTIHASH_IDENTITY, _MULTIHASH_SHA256 = 0x00, 0x12
+
+
+def _base58_decode(text: str) -> bytes | None:
+    number = 0
+    for character in text:
+        digit = _BASE58_ALPHABET.find(character)
+        if digit < 0:
+            return None
+        number = number * 58 + digit
+    leading_zeros = len(text) - len(text.lstrip("1"))
+    return b"\0" * leading_zeros + number.to_bytes((number.bit_length() + 7) // 8, "big")
+
+
+def peer_id_problem(peer_id: str) -> str | None:
+    """Why ``peer_id`` is not a libp2p peer id (base58 of a sha256 or identity multihash), or None."""
+    decoded = _base58_decode(peer_id)
+    if not decoded or len(decoded) < 3:
+        return f"peer id {peer_id!r} is not base58"
+    code, length = decoded[0], decoded[1]
+    if code not in (_MULTIHASH_IDENTITY, _MULTIHASH_SHA256) or length != len(decoded) - 2:
+        return f"peer id {peer_id!r} is not a libp2p peer id"
+    return None
+
+
+def multiaddr_problem(address: str) -> str | None:
+    """Why ``address`` cannot be dialled as /ip4|ip6|dns*/HOST/tcp/PORT/p2p/PEER_ID, or None.
+
+    Checked here, before a peer starts its DHT daemon, so that a typo is a config error (exit 2)
+    rather than a swarm that cannot be reached (exit 3).
+    """
+    parts = address.split("/")
+    if len(parts) < 2 or parts[0] != "" or len(parts) % 2 == 0:
+        return "a multiaddr is /PROTOCOL/VALUE pairs"
+    pairs = list(zip(parts[1::2], parts[2::2]))
+    protocols = [name for name, _ in pairs]
+    for name, value in pairs:
+        if name == "ip4":
+            try:
+                ipaddress.IPv4Address(value)
+            except ValueError:
+                return f"{value!r} is not an IPv4 address"
+        elif name == "ip6":
+            try:
+                ipaddress.IPv6Address(value)
+            except ValueError:
+                return f"{value!r} is not an IPv6 address"
+        elif name in ("dns", "dns4", "dns6"):
+            if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", value):
+                return f"{value!r} is not a host name"
+        elif name in ("tcp", "udp"):
+            if not value.isdigit() or not 1 <= int(value) <= 65535:
+                return f"{name} port {value!r} is not a port number 1-65535"
+        elif name == "p2p":
+            problem = peer_id_problem(value)
+            if problem:
+                return problem
+    if not protocols or protocols[0] not in _HOST_PROTOCOLS:
+        return "it does not start with a host (/ip4/, /ip6/ or /dns4/)"
+    if "tcp" not in protocols:
+        return "it has no /tcp/PORT"
+    if protocols[-1] != "p2p":
+        return "it does not end with /p2p/PEER_ID"
+    return None
 
 
 class SwarmConfig(_Strict):
@@ -114,9 +192,10 @@ class SwarmConfig(_Strict):
     @model_validator(mode="after")
     def _check_initial_peers(self) -> "SwarmConfig":
         for address in self.initial_peers:
-            if not address.startswith("/") or "/p2p/" not in address:
+            problem = multiaddr_problem(address)
+            if problem is not None:
                 raise ValueError(
-                    f"swarm.initial_peers: {address!r} is not a full multiaddr; expected the form "
+                    f"swarm.initial_peers: {address!r} is not a peer's address ({problem}); expected the form "
                     "/ip4/HOST/tcp/PORT/p2p/PEER_ID, exactly as `geotrain coordinator` prints it")
         return self
 
@@ -145,6 +224,9 @@ class OptimizerConfig(_Strict):
     averaging_timeout_s: float = Field(gt=0)
     request_timeout_s: float = Field(gt=0, description="How long to wait for a group leader's answer.")
     progress_refresh_s: float = Field(gt=0, description="How often to look for the swarm's progress when alone.")
+    progress_expiration_s: float = Field(
+        gt=0, description="How long a peer's progress record lives; a peer that died without a goodbye counts "
+                          "for the others until then.")
     load_state_timeout_s: float = Field(120.0, gt=0)
     average_state_every: int = Field(1, ge=1, description="Average parameters and optimizer state every N epochs.")
 
@@ -210,12 +292,26 @@ class MetricsConfig(_Strict):
     port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint port; none disables it.")
     host: str = Field("127.0.0.1", description="Address of the metrics endpoint; loopback unless told otherwise.")
     region: str = Field("local", description="Label: the VM's region, e.g. us-central1 (startup scripts set it).")
-    cloud: str = Field("local", description="Label: the VM's cloud, e.g. gcp, aws, azure.")
+    cloud: str = Field("local", description="Label: the VM's cloud, e.g. gcp, aws, azure (gcp and google are the "
+                                            "price files' gc).")
     instance_type: str = Field("local", description="Label: the VM's instance type, e.g. g4dn.xlarge.")
+    purchase: Literal["spot", "on-demand"] | None = Field(
+        None, description="How the VM is rented: spot or on-demand; none: spot for a trainer, on-demand for the "
+                          "coordinator (as the startup scripts rent them). With cloud, region and instance_type it "
+                          "picks the VM's price from the catalog (see cost).")
     publish_interval_s: float = Field(
         5.0, gt=0, description="How often a peer measures its traffic and publishes its metric record in the DHT.")
     target_epoch: int | None = Field(
         None, ge=1, description="Epoch the swarm's ETA counts down to; default: training.max_epochs.")
+
+    def purchase_for(self, role: str) -> str:
+        """How this peer's VM is rented: ``purchase`` when set, else what ``role`` usually runs on."""
+        return self.purchase or self.default_purchase(role)
+
+    @staticmethod
+    def default_purchase(role: str) -> str:
+        """Trainers run on spot VMs; the coordinator holds the durable state, so it runs on demand."""
+        return "on-demand" if role == "coordinator" else "spot"
 
 
 class EgressPrice(_Strict):
@@ -227,20 +323,45 @@ class EgressPrice(_Strict):
 
 
 class CostConfig(_Strict):
-    """The price table the coordinator turns the swarm's VMs and measured traffic into cost with.
+    """How the coordinator (and ``geotrain status``) prices the swarm it sees: the planner's price files.
 
-    Defaults: traffic within a region is free (VMs of one region share a zone); any other traffic is
-    billed at $0.08/GB, Google Cloud's price between continents [EMJ24 Table 1], the highest of the
-    three clouds' inter-continent prices there. Instance prices have no default: list yours, e.g.
-    ``{g4dn.xlarge: 0.395}`` (AWS T4 spot, US average, April 2023 [EMJ24 Table 1]).
+    The swarm's $/h comes from the same files ``geotrain plan`` reads (default: the shipped
+    ``geotrain/data/planner/instances.csv`` and ``egress.csv``; see :mod:`geotrain.pricing.catalog` and
+    :mod:`geotrain.pricing.egress`), so a planned swarm and the running one cost the same:
+
+    - a VM: the catalog's price for its ``metrics`` labels (cloud, region, instance_type, purchase);
+      clouds are matched as the files name them (``gcp``/``google`` are ``gc``). A region the catalog
+      does not list is not priced from another region.
+    - egress: each peer's measured bytes per second to each region times the price the sender's cloud
+      bills on that route (egress file, by continent from the catalog). Traffic within a region is free
+      (VMs of one region share a zone, as the planner assumes).
+
+    The keys below override the files. What neither prices is counted, never guessed: VMs in
+    ``geotrain_swarm_unpriced_peers``, routes in ``geotrain_swarm_unpriced_routes``; give their prices
+    here or in your own files. For example::
+
+        cost:
+          catalog_path: prices/instances.csv            # your provider's current prices
+          instance_usd_per_hour: {n1-standard-8: 0.38}  # wins over the catalog, any cloud and region
+          egress_usd_per_gb:                            # between regions; the most specific rule wins
+            - {source: us-central1, destination: europe-west4, usd_per_gb: 0.02}
+            - {destination: australia-southeast1, usd_per_gb: 0.15}
+          egress_budget_usd_per_hour: 2.0
     """
 
+    catalog_path: Path | None = Field(
+        None, description="Instance catalog CSV, as `geotrain plan --catalog` takes; none: the shipped one.")
+    egress_prices_path: Path | None = Field(
+        None, description="Egress price CSV, as `geotrain plan --egress` takes; none: the shipped one.")
     instance_usd_per_hour: dict[str, Annotated[float, Field(ge=0)]] = Field(
-        default_factory=dict, description="Hourly price by instance type (the peers' --instance-type).")
-    same_region_usd_per_gb: float = Field(0.0, ge=0, description="Price of traffic between peers of one region.")
+        default_factory=dict, description="Hourly price by instance type (the peers' --instance-type); wins over "
+                                          "the catalog for every cloud, region and purchase.")
     egress_usd_per_gb: list[EgressPrice] = Field(
-        default_factory=lambda: [EgressPrice(usd_per_gb=0.08)],
-        description="Rules by source and destination region; the most specific match wins.")
+        default_factory=list, description="Rules by source and destination region (\"*\" matches any) for "
+                                          "traffic between regions; the most specific match wins over the files.")
+    same_region_usd_per_gb: float | None = Field(
+        None, ge=0, description="Price of traffic between peers of one region; none: free, as the planner "
+                                "assumes (set the inter-zone price when your VMs are spread over zones).")
     egress_budget_usd_per_hour: float | None = Field(
         None, ge=0, description="Alert when the swarm's egress costs more than this per hour.")
 

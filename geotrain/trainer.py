@@ -228,9 +228,17 @@ class Trainer:
             self.events.write("state_load_failed", peer_id=peer_id, epoch=optimizer.local_epoch)
             return
         self.metrics.state_loads.inc()
-        self.events.write("state_loaded", peer_id=peer_id, epoch=optimizer.local_epoch, seconds=elapsed_s,
-                          params_sha256=parameters_sha256(model))
-        logger.info("loaded state of epoch %d in %.1f s", optimizer.local_epoch, elapsed_s)
+        state_epoch = optimizer.state_averager.loaded_epoch
+        if state_epoch is None:
+            state_epoch = optimizer.local_epoch
+        self.events.write("state_loaded", peer_id=peer_id, epoch=optimizer.local_epoch, state_epoch=state_epoch,
+                          seconds=elapsed_s, params_sha256=parameters_sha256(model))
+        if state_epoch == optimizer.local_epoch:
+            logger.info("loaded the state of epoch %d in %.1f s", state_epoch, elapsed_s)
+        else:
+            # hivemind moves a peer that is one epoch behind the swarm's progress records up to it
+            logger.info("loaded the state of epoch %d in %.1f s; continuing at epoch %d, the newest epoch in the "
+                        "swarm's progress records", state_epoch, elapsed_s, optimizer.local_epoch)
 
     def _train(self, task, model, batches, optimizer, stop: Event, peer_id: str, dht) -> EpochTotals:
         config = self.config

@@ -13,6 +13,7 @@ import hivemind
 import torch
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
 from timm.optim import Lamb
 
 from geotrain.config import GeotrainConfig
@@ -45,6 +46,23 @@ def averaging_round_result(control) -> str:
     return "timeout" if isinstance(error, TimeoutError) else "failed"
 
 
+class RecordingStateAverager(TrainingStateAverager):
+    """hivemind's state averager that remembers the epoch of the last state it downloaded.
+
+    After a download hivemind may move the local epoch one ahead to the swarm's ("catching up"), so the
+    optimizer's epoch alone cannot tell which state a peer really loaded.
+    """
+
+    loaded_epoch: int | None = None
+
+    def load_state_from_peers(self, *args, **kwargs):
+        epoch_before = self.local_epoch
+        result = super().load_state_from_peers(*args, **kwargs)
+        if self.local_epoch != epoch_before:
+            self.loaded_epoch = self.local_epoch
+        return result
+
+
 class MeasuredOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer that reports how each gradient averaging round ended and how long it took.
 
@@ -54,6 +72,12 @@ class MeasuredOptimizer(hivemind.Optimizer):
     """
 
     on_averaging_round = None  # callable(result, duration_s)
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        # the same construction as hivemind's, with the class that records the downloaded epoch
+        averager = super()._make_state_averager(**kwargs)
+        averager.__class__ = RecordingStateAverager
+        return averager
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         started = time.perf_counter()
@@ -91,7 +115,8 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         # bound on the refresh period keeps that lag small next to an epoch
         tracker_opts={"default_refresh_period": opt.progress_refresh_s,
                       "min_refresh_period": min(0.5, opt.progress_refresh_s),
-                      "max_refresh_period": max(2.0, 4 * opt.progress_refresh_s)},
+                      "max_refresh_period": max(2.0, 4 * opt.progress_refresh_s),
+                      "metadata_expiration": opt.progress_expiration_s},
         state_averaging_compression=build_compression(opt.grad_compression),
         verbose=False,
     )

@@ -38,8 +38,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from geotrain.launcher import LaunchError, ProcessLauncher
+from geotrain.events import read_events
+from geotrain.lab import network
 from geotrain.lab.topology import Link, Topology, load_topology, shipped_topologies
+from geotrain.launcher import LaunchError, ProcessLauncher
+from geotrain.planner.model import Settings, evaluate
+from geotrain.planner.network import load_network
+from geotrain.planner.profiles import BYTES_PER_PARAMETER, load_profile
+from geotrain.pricing.catalog import Offer
+from geotrain.pricing.egress import KINDS, EgressPrices
 
 BENCH_LAB = "gtlabbench"
 SETUP = re.compile(r"^(?P<topology>[A-Za-z0-9_.-]+?)-(?P<peers>[1-9][0-9]*)$")
@@ -127,7 +134,6 @@ def default_network_profile(topology: Topology) -> str:
 
 
 def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
-    from geotrain.planner.profiles import load_profile
 
     match = SETUP.match(args.setup)
     if match is None:
@@ -159,11 +165,6 @@ def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
 def planner_prediction(topology: Topology, profile, gpu: str, parameters: int, target_batch_size: int,
                        overlap: bool) -> dict:
     """geotrain.planner.model.evaluate for one VM of ``gpu`` per peer in each region of ``topology``."""
-    from geotrain.pricing.catalog import Offer
-    from geotrain.pricing.egress import KINDS, EgressPrices
-    from geotrain.planner.model import Settings, evaluate
-    from geotrain.planner.network import load_network
-    from geotrain.planner.profiles import BYTES_PER_PARAMETER
 
     scaled = dataclasses.replace(profile, parameters=parameters, target_batch_size=target_batch_size,
                                  bytes_per_parameter=BYTES_PER_PARAMETER["fp16"])
@@ -264,7 +265,6 @@ class LabSwarm:
 
 def measure(plan: BenchPlan, events_paths: list[Path]) -> dict:
     """Swarm samples/s, per-round compute and communication over the measured epochs, from event files."""
-    from geotrain.events import read_events
 
     per_peer = [read_events(path) for path in events_paths]
     epochs = [[e for e in events if e["event"] == "epoch"] for events in per_peer]
@@ -306,7 +306,6 @@ def _mean(values: list[float]) -> float | None:
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
-    from geotrain.lab import network
 
     plan = plan_benchmark(args)
     network.require_lab_support("up")

@@ -19,10 +19,12 @@ import json
 import os
 import sys
 
+from geotrain.errors import EXIT_BAD_INPUT
+from geotrain.lab import network
+from geotrain.lab.bench import BenchError, add_bench_arguments, run_benchmark
 from geotrain.lab.network import DEFAULT_LAB, DEFAULT_MTU, LabError
-from geotrain.lab.topology import TopologyError, shipped_topologies
-
-EXIT_BAD_INPUT = 2
+from geotrain.lab.topology import TopologyError, load_topology, shipped_topologies
+from geotrain.pricing.errors import InputFileError
 
 
 def _add_lab_name(parser: argparse.ArgumentParser) -> None:
@@ -53,16 +55,12 @@ def add_lab_commands(commands) -> None:
     _add_lab_name(run)
     lab.set_defaults(handler=run_lab)
 
-    from geotrain.lab.bench import add_bench_arguments
-
     bench = commands.add_parser("bench", help="benchmark a swarm in the lab: [EMJ24] setups such as C-4")
     add_bench_arguments(bench)
     bench.set_defaults(handler=run_bench)
 
 
 def run_lab(args: argparse.Namespace) -> int:
-    from geotrain.lab import network
-
     try:
         if args.lab_action == "up":
             return _up(args)
@@ -85,9 +83,6 @@ def _print_error(command: str, error: Exception) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from geotrain.lab import network
-    from geotrain.lab.topology import load_topology
-
     network.require_lab_support("up")
     topology = load_topology(args.topology)
     state = network.up(topology, args.lab, mtu=args.mtu)
@@ -102,8 +97,6 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from geotrain.lab import network
-
     network.require_lab_support("status")
     state = network.require_state(args.lab)
     names = network.check_lab_name(args.lab)
@@ -128,11 +121,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from geotrain.lab import network
-
-    command = list(args.region_command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = _region_command(args)
     network.require_lab_support("run")
     state = network.require_state(args.lab)
     argv, environment = network.region_command(state, args.region, command)
@@ -141,10 +130,28 @@ def _run(args: argparse.Namespace) -> int:
     os.execvpe(argv[0], argv, environment)  # the command's exit code and signals are the user's
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    from geotrain.lab.bench import BenchError, run_benchmark
-    from geotrain.pricing.errors import InputFileError
+def _region_command(args: argparse.Namespace) -> list[str]:
+    """The command after REGION; ``--lab NAME`` between REGION and ``--`` is taken too, not passed on."""
+    rest = list(args.region_command)
+    while rest and rest[0] != "--":
+        if rest[0] == "--lab" and len(rest) > 1:
+            args.lab, rest = rest[1], rest[2:]
+        elif rest[0].startswith("--lab="):
+            args.lab, rest = rest[0].split("=", 1)[1], rest[1:]
+        elif rest[0].startswith("-"):
+            raise LabError(f"geotrain lab run: unknown option {rest[0]}; options go before REGION "
+                           "(--lab NAME), the command after --: geotrain lab run REGION -- COMMAND")
+        else:
+            break  # a command given without "--"
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not rest:
+        raise LabError("geotrain lab run: no command given; expected geotrain lab run REGION -- COMMAND")
+    network.check_lab_name(args.lab)
+    return rest
 
+
+def run_bench(args: argparse.Namespace) -> int:
     try:
         return run_benchmark(args)
     except (LabError, TopologyError, BenchError, InputFileError) as error:

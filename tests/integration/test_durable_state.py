@@ -75,10 +75,66 @@ def test_checkpoints_survive_a_crash_and_a_swarm_that_lost_every_trainer(swarm):
     # Two new trainers continue from the coordinator's state.
     newcomers = [swarm.start_trainer(name, *FAST_SWARM, "--wait-for-peers", "2", "--data-seed", seed)
                  for name, seed in (("c", "3"), ("d", "4"))]
-    for _, events in newcomers:
+    for name, events in zip("cd", (events for _, events in newcomers)):
         loaded = wait_for(lambda: [e for e in read_events(events) if e["event"] == "state_loaded"], 120,
                           "a newcomer to load the coordinator's state")[0]
-        assert loaded["epoch"] >= epoch
         assert loaded["params_sha256"] == expected_sha256, "the newcomer did not start from the checkpoint"
+        # the lost trainers' progress records may still say a later epoch: the log names the state's own
+        assert loaded["state_epoch"] == epoch, loaded
+        assert f"loaded the state of epoch {epoch} " in swarm.log(name), swarm.log(name)[-2000:]
+        assert loaded["epoch"] >= epoch
     wait_for(lambda: all(last_epoch(events) > epoch for _, events in newcomers), 120,
              "the new trainers to train past the checkpoint")
+    # The lost trainers' progress records expire (optimizer.progress_expiration_s): the newcomers stop
+    # counting them as peers, and so stop waiting for them in matchmaking.
+    wait_for(lambda: all(epoch_events(events) and epoch_events(events)[-1]["peers"] == 2 for _, events in newcomers),
+             90, "the newcomers to count only each other")
+
+
+def epoch_events(path) -> list[dict]:
+    return [e for e in read_events(path) if e["event"] == "epoch"]
+
+
+def write_checkpoint(state_dir, config_yaml: str, preset: str = "tiny") -> CheckpointStore:
+    """A checkpoint as a coordinator of a CV run writes it (model and optimizer state of the task's model)."""
+    import torch
+
+    model = build_task(TaskConfig(name="cv", preset=preset)).build_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    store = CheckpointStore(state_dir / "checkpoints", config_yaml=config_yaml)
+    store.save({"epoch": 3, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, epoch=3,
+               samples_seen=3 * 1024)
+    return store
+
+
+def checkpoint_files(state_dir) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted((state_dir / "checkpoints").iterdir())}
+
+
+def test_a_checkpoint_of_another_config_is_refused_and_kept(tmp_path):
+    from geotrain.config import validate_config
+    from swarm_helpers import geotrain
+
+    cv_run = validate_config({"swarm": {"run_id": "imagenet"}, "task": {"name": "cv", "preset": "tiny"}})
+    write_checkpoint(tmp_path, cv_run.to_yaml())
+    before = checkpoint_files(tmp_path)
+    result = geotrain("coordinator", "--state-dir", str(tmp_path), "--run-id", "imagenet", "--task", "nlp",
+                      "--port", "0", timeout_s=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "was written for another config (task.name: 'cv' in the checkpoint, 'nlp' now" in result.stderr
+    assert "task.preset" not in result.stderr or "'tiny' in the checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr and "is up" not in result.stdout
+    assert checkpoint_files(tmp_path) == before, "the refused checkpoints must stay as they were"
+
+
+def test_a_checkpoint_whose_tensors_do_not_fit_is_refused_and_kept(tmp_path):
+    from swarm_helpers import geotrain
+
+    write_checkpoint(tmp_path, config_yaml="", preset="tiny")  # written by hand: no config to compare
+    before = checkpoint_files(tmp_path)
+    result = geotrain("coordinator", "--state-dir", str(tmp_path), "--task", "cv", "--preset", "resnet18",
+                      "--port", "0", timeout_s=180)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "does not fit the model of task cv/resnet18" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert checkpoint_files(tmp_path) == before

@@ -36,30 +36,61 @@ def test_a_trainer_that_joins_after_epoch_two_loads_state_and_ends_equal(swarm):
     assert len(hashes) == 1, f"parameters differ: {results}"
 
 
+def children_with_p2pd(pid: int) -> list[int]:
+    children = descendants(pid)
+    commands = []
+    for child in children:
+        try:
+            commands.append(open(f"/proc/{child}/cmdline", "rb").read().decode(errors="replace"))
+        except OSError:
+            pass
+    assert any("p2pd" in command for command in commands), "expected hivemind's p2pd among the children"
+    return children
+
+
+def ignores(pid: int, signum: int) -> bool:
+    """Whether the process ignores a signal (SigIgn in /proc/PID/status)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
+    return False
+
+
+def stop_and_check(swarm, process, name: str, signum: int) -> None:
+    """``signum`` ends the peer with exit 0 within the stop deadline, and no child (p2pd included) outlives it."""
+    children = children_with_p2pd(process.pid)
+    assert not ignores(process.pid, signum), f"{name} ignores {signal.Signals(signum).name}"
+    sent = time.monotonic()
+    process.send_signal(signum)
+    process.wait(timeout=STOP_BUDGET_S + 10)
+    stop_s = time.monotonic() - sent
+    assert stop_s <= STOP_BUDGET_S, f"{name} took {stop_s:.1f} s to stop"
+    assert process.returncode == 0, swarm.log(name)[-2000:]
+    time.sleep(0.5)
+    survivors = [pid for pid in children if alive(pid)]
+    assert not survivors, f"processes outlived {name}: {survivors}"
+
+
 def test_sigterm_stops_a_trainer_within_30_s_and_leaves_no_process(swarm):
     swarm.start_coordinator()
     trainer, events = swarm.start_trainer("t", *FAST_SWARM, "--target-batch-size", "256")
     wait_for(lambda: last_epoch(events) >= 1, 120, "the trainer's first epoch")
-    children = descendants(trainer.pid)
-    commands = []
-    for pid in children:
-        try:
-            commands.append(open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"))
-        except OSError:
-            pass
-    assert any("p2pd" in command for command in commands), "expected hivemind's p2pd among the children"
-
-    sent = time.monotonic()
-    trainer.send_signal(signal.SIGTERM)
-    trainer.wait(timeout=STOP_BUDGET_S + 10)
-    stop_s = time.monotonic() - sent
-    assert stop_s <= STOP_BUDGET_S, f"the trainer took {stop_s:.1f} s to stop"
-    assert trainer.returncode == 0, swarm.log("t")[-2000:]
+    stop_and_check(swarm, trainer, "t", signal.SIGTERM)
     finished = _finished(events)
     assert finished is not None and finished["stopped_by_request"] is True
-    time.sleep(0.5)
-    survivors = [pid for pid in children if alive(pid)]
-    assert not survivors, f"processes outlived the trainer: {survivors}"
+
+
+def test_ctrl_c_stops_a_training_trainer_and_a_coordinator_that_holds_state(swarm):
+    """hivemind's averagers set SIGINT to SIG_IGN in the process that starts them; Ctrl-C must still work."""
+    swarm.start_coordinator("--checkpoint-every-epochs", "1", *FAST_SWARM)  # holds state: has an optimizer
+    trainer, events = swarm.start_trainer("t", *FAST_SWARM, "--target-batch-size", "256")
+    wait_for(lambda: "checkpoint version 1 written" in swarm.log("coordinator"), 120, "the coordinator's checkpoint")
+    stop_and_check(swarm, trainer, "t", signal.SIGINT)
+    finished = _finished(events)
+    assert finished is not None and finished["stopped_by_request"] is True
+    assert finished["stop_reason"] == "SIGINT received"
+    coordinator = swarm.processes[0]
+    stop_and_check(swarm, coordinator, "coordinator", signal.SIGINT)
 
 
 def test_sigkill_of_one_of_three_trainers_mid_round_the_others_go_on(swarm):
