@@ -3,7 +3,8 @@
 
 - A trainer (``geotrain peer``) is healthy when its metrics endpoint answers with geotrain's metrics,
   so it needs ``--metrics-port`` (a trainer without one is reported unhealthy, saying so).
-- The coordinator serves no metrics yet; it is healthy when its DHT port accepts TCP connections.
+- The coordinator is healthy when its DHT port accepts TCP connections and, when it serves metrics
+  (``--metrics-port``), its metrics endpoint answers with geotrain's swarm metrics (``geotrain_swarm_*``).
 
 The ports come from the command line of the geotrain process in the container, read the way geotrain
 reads them (``--config`` file, then ``--set``, then flags), so the check follows whatever the container
@@ -25,13 +26,15 @@ import sys
 import urllib.request
 from pathlib import Path
 
-# geotrain's defaults (geotrain/coordinator.py DEFAULT_PORT, geotrain/config.py MetricsConfig.host);
-# tests/deploy checks that they agree.
+# geotrain's defaults (geotrain/config.py COORDINATOR_PORT, the default of coordinator.port, and
+# MetricsConfig.host); tests/deploy checks that they agree.
 DEFAULT_COORDINATOR_PORT = 31337
 DEFAULT_METRICS_HOST = "127.0.0.1"
 TIMEOUT_S = 5.0
-# Every trainer exports it from its first second (a counter), so its absence means "not geotrain's".
+# Exported from the first second (a trainer's counter, the coordinator's swarm gauge), so their absence
+# means "not geotrain's endpoint".
 PROOF_METRIC = "geotrain_samples_total"
+COORDINATOR_PROOF_METRIC = "geotrain_swarm_global_epoch"
 
 
 def geotrain_arguments(pid: int) -> list[str] | None:
@@ -73,7 +76,7 @@ def flag_values(arguments: list[str], flag: str) -> list[str]:
 
 
 def resolve(arguments: list[str]) -> dict[str, str]:
-    """swarm.port, metrics.port and metrics.host as geotrain resolves them: config, --set, flags."""
+    """swarm.port, coordinator.port, metrics.port and metrics.host as geotrain resolves them: config, --set, flags."""
     settings: dict[str, str] = {}
     for config_path in flag_values(arguments, "--config")[-1:]:
         import yaml
@@ -82,7 +85,7 @@ def resolve(arguments: list[str]) -> dict[str, str]:
             document = yaml.safe_load(Path(config_path).read_text()) or {}
         except (OSError, yaml.YAMLError):
             document = {}  # geotrain itself reports a bad config; here it only means "no ports from it"
-        for key in ("swarm.port", "metrics.port", "metrics.host"):
+        for key in ("swarm.port", "coordinator.port", "metrics.port", "metrics.host"):
             section, name = key.split(".")
             value = (document.get(section) or {}).get(name) if isinstance(document, dict) else None
             if value is not None:
@@ -102,11 +105,13 @@ def dialable(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
-def check_trainer(settings: dict[str, str]) -> tuple[bool, str]:
-    port = settings.get("metrics.port")
-    if port in (None, "", "null", "None", "0"):
-        return False, ("the trainer runs without a metrics endpoint; start it with --metrics-port 9100 "
-                       "so that it can be checked")
+def serves_metrics(settings: dict[str, str]) -> bool:
+    return settings.get("metrics.port") not in (None, "", "null", "None", "0")
+
+
+def check_metrics(settings: dict[str, str], proof_metric: str) -> tuple[bool, str]:
+    """Does the peer's metrics endpoint answer, with ``proof_metric`` among its series?"""
+    port = settings["metrics.port"]
     host = dialable(settings.get("metrics.host", DEFAULT_METRICS_HOST))
     url = f"http://{host}:{port}/metrics" if ":" not in host else f"http://[{host}]:{port}/metrics"
     try:
@@ -114,18 +119,30 @@ def check_trainer(settings: dict[str, str]) -> tuple[bool, str]:
             body = response.read().decode(errors="replace")
     except OSError as error:
         return False, f"metrics endpoint {url} did not answer: {error}"
-    if PROOF_METRIC not in body:
-        return False, f"{url} answered, but without {PROOF_METRIC}; is it geotrain's endpoint?"
+    if proof_metric not in body:
+        return False, f"{url} answered, but without {proof_metric}; is it geotrain's endpoint?"
     return True, f"metrics endpoint {url} answers"
 
 
+def check_trainer(settings: dict[str, str]) -> tuple[bool, str]:
+    if not serves_metrics(settings):
+        return False, ("the trainer runs without a metrics endpoint; start it with --metrics-port 9100 "
+                       "so that it can be checked")
+    return check_metrics(settings, PROOF_METRIC)
+
+
 def check_coordinator(settings: dict[str, str]) -> tuple[bool, str]:
-    port = int(settings.get("swarm.port") or DEFAULT_COORDINATOR_PORT)
+    # swarm.port when given, else coordinator.port (geotrain/config.py GeotrainConfig.coordinator_port)
+    port = int(settings.get("swarm.port") or settings.get("coordinator.port") or DEFAULT_COORDINATOR_PORT)
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S):
-            return True, f"DHT port {port} accepts connections"
+            pass
     except OSError as error:
         return False, f"DHT port {port} does not accept connections: {error}"
+    if not serves_metrics(settings):
+        return True, f"DHT port {port} accepts connections"
+    healthy, reason = check_metrics(settings, COORDINATOR_PROOF_METRIC)
+    return healthy, f"DHT port {port} accepts connections; {reason}"
 
 
 def check(arguments: list[str]) -> tuple[bool, str]:
