@@ -21,7 +21,7 @@ import sys
 from geotrain.planner.errors import PlannerError
 from geotrain.pricing.errors import InputFileError
 from geotrain.planner.model import DEFAULT_SPOT_INTERRUPTION_RATE
-from geotrain.planner.problem import DEFAULT_MAX_PEERS, OBJECTIVES
+from geotrain.planner.problem import DEFAULT_MAX_PEERS, DEFAULT_SOLVER_TIME_LIMIT_S, OBJECTIVES
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +54,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s, the rate [EMJ24] evaluated)")
     parser.add_argument("--train-samples", type=float, help="also show hours and $ to train this many samples")
     parser.add_argument("--top", type=int, default=5, help="configurations to show (default: %(default)s)")
+    parser.add_argument("--solver-time-limit", type=float, default=DEFAULT_SOLVER_TIME_LIMIT_S, metavar="SECONDS",
+                        help="most seconds the MILP solver (HiGHS) may spend on one program (default: %(default)g); "
+                             "when reached, the plan uses the best solution found and says it may not be optimal, "
+                             "or, if none was found, says so instead of calling the request infeasible")
     parser.add_argument("--catalog", help="instance catalog CSV (default: the shipped one)")
     parser.add_argument("--egress", help="egress price CSV (default: the shipped one)")
     parser.add_argument("--network", help="network matrix CSV (default: the shipped one)")
@@ -112,6 +116,7 @@ def _plan(args: argparse.Namespace) -> int:
     _check_positive("--budget-usd-per-hour", args.budget_usd_per_hour)
     _check_positive("--min-samples-per-second", args.min_samples_per_second)
     _check_positive("--train-samples", args.train_samples)
+    _check_positive("--solver-time-limit", args.solver_time_limit)
     if not 0 <= args.spot_interruption_rate < 1:
         raise PlannerError(f"--spot-interruption-rate is {args.spot_interruption_rate:g}; expected 0 <= rate < 1")
     if args.max_peers < 1 or args.max_peers > 256:
@@ -131,7 +136,7 @@ def _plan(args: argparse.Namespace) -> int:
     request = Request(objective=args.objective, budget_usd_per_hour=args.budget_usd_per_hour,
                       min_samples_per_second=args.min_samples_per_second, max_peers=args.max_peers,
                       clouds=_names(args.clouds), regions=_names(args.regions), continents=_names(args.continents),
-                      region_quota_gpus=_quotas(args.quota))
+                      region_quota_gpus=_quotas(args.quota), solver_time_limit_s=args.solver_time_limit)
     result = plan(inputs, request, top=args.top)
     mode = "with overlap (delayed parameter updates)" if args.overlap else "without overlap"
     coordinator = (f"coordinator on {result.coordinator.name} (${result.coordinator.price_usd_per_hour:g}/h, "
@@ -144,6 +149,9 @@ def _plan(args: argparse.Namespace) -> int:
                                        "see geotrain.planner.solve.reduce_candidates)")
     print(f"Solved {result.programs_solved} MILPs over {result.offers_after_pruning} of {result.offers_considered} "
           f"offers in {result.solve_s:.2f} s{reduced}.")
+    note = result.time_limit_note()
+    if note:
+        print(note)
     if args.json:
         write_json(args.json, plan_json(result, request, args.objective, profile.name, args.train_samples))
         print(f"Wrote {args.json}")

@@ -15,6 +15,9 @@ from geotrain.planner.profiles import ModelProfile
 
 OBJECTIVES = ("cost-per-sample", "throughput")
 DEFAULT_MAX_PEERS = 16
+# Most seconds HiGHS may spend on one MILP; when reached, the best solution found so far is used and
+# the plan says it may not be optimal (see geotrain.planner.milp.Solution).
+DEFAULT_SOLVER_TIME_LIMIT_S = 30.0
 
 
 @dataclass
@@ -27,6 +30,7 @@ class Request:
     regions: frozenset[str] | None = None
     continents: frozenset[str] | None = None
     region_quota_gpus: dict[str, int] = field(default_factory=dict)
+    solver_time_limit_s: float = DEFAULT_SOLVER_TIME_LIMIT_S  # per MILP
 
 
 @dataclass

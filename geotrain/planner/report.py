@@ -99,7 +99,10 @@ def plan_json(plan: Plan, request: Request, objective: str, profile_name: str,
         "coordinator": plan.coordinator.name if plan.coordinator else None,
         "candidates": [p.to_dict(train_samples) for p in plan.candidates],
         "solver": {"offers_considered": plan.offers_considered, "offers_after_pruning": plan.offers_after_pruning,
-                   "programs_solved": plan.programs_solved, "solve_s": plan.solve_s, "exact": plan.exact},
+                   "programs_solved": plan.programs_solved, "solve_s": plan.solve_s, "exact": plan.exact,
+                   "proven_optimal": plan.proven_optimal, "time_limit_s": plan.solver_time_limit_s,
+                   "time_limited_programs": plan.time_limited,
+                   "time_limited_without_solution": plan.time_limited_unsolved, "largest_mip_gap": plan.largest_gap},
     }
 
 

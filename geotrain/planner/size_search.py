@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from geotrain.pricing.catalog import Offer
-from geotrain.planner.milp import INF, Program
+from geotrain.planner.milp import INF, Program, Solution
 from geotrain.planner.model import GB, Prediction, bytes_per_pair, evaluate, peer_rate, transfer_s
 from geotrain.planner.problem import Inputs, Request, ranking_key, satisfies
 
@@ -59,6 +59,11 @@ class SizeSearch:
         self.data_usd_per_round = (profile.target_batch_size * profile.data_bytes_per_sample / GB
                                    * egress.data_loading_usd_per_gb("*"))
         self.programs_solved = 0
+        # Programs that HiGHS stopped at the time limit: with a solution (used, maybe not optimal, with
+        # the largest gap HiGHS reported) and without one (that part of the search is unknown).
+        self.time_limited = 0
+        self.time_limited_unsolved = 0
+        self.largest_gap: float | None = None
 
     # -- one swarm size --------------------------------------------------------------------------
 
@@ -77,6 +82,18 @@ class SizeSearch:
             if satisfies(prediction, request) and (best_key is None or key(prediction) < best_key):
                 best, best_key = {offer: 1}, key(prediction)
         return best
+
+    def cheapest_single_vm(self) -> Prediction | None:
+        """The one VM (with the coordinator, if any) of lowest $/h that the quotas and the anchor allow.
+
+        More VMs add their prices and egress, so this is the cheapest configuration per hour (up to
+        data loading, which grows with samples/s); it needs no MILP.
+        """
+        options = [self.evaluate({offer: 1}) for offer in self.offers
+                   if not (self.inputs.settings.anchor == "trainer" and offer.spot)
+                   and not (offer.region in self.request.region_quota_gpus
+                            and offer.gpu_count > self.request.region_quota_gpus[offer.region])]
+        return min(options, key=lambda p: p.usd_per_hour, default=None)
 
     def evaluate(self, counts: dict[Offer, int]) -> Prediction:
         inputs = self.inputs
@@ -185,8 +202,8 @@ class SizeSearch:
             solved = self._solve_node(n, objective, budget, min_sps, a, b, incumbent)
             if solved is None:
                 continue
-            counts, node_bound = solved
-            if node_bound >= incumbent * (1 - 1e-7):
+            counts, node_bound, time_limited = solved
+            if not time_limited and node_bound >= incumbent * (1 - 1e-7):
                 continue
             prediction = self.evaluate(counts)
             feasible = satisfies(prediction, request, tolerance=1e-9)
@@ -194,6 +211,10 @@ class SizeSearch:
                 best, best_counts = prediction, counts
                 if node_bound >= self.value(best, objective) * (1 - 1e-7):
                     continue
+            if time_limited:
+                # HiGHS's answer is the best it found, not a bound: keep it, but search this interval
+                # no further (each child could take as long); the plan then says it may not be optimal.
+                continue
             omega = prediction.compute_s_per_round
             if feasible and a < omega <= b:
                 children = [(a, omega * (1 - 1e-6)), (omega, b)]
@@ -218,7 +239,12 @@ class SizeSearch:
         return (cheapest * round_s / 3600 + self.data_usd_per_round) / profile.target_batch_size * 1e6
 
     def _solve_node(self, n: int, objective: str, budget: float | None, min_sps: float | None,
-                    a: float, b: float, cutoff: float = INF) -> tuple[dict[Offer, int], float] | None:
+                    a: float, b: float, cutoff: float = INF) -> tuple[dict[Offer, int], float, bool] | None:
+        """The node MILP's configuration, its objective bound, and whether HiGHS stopped at the time limit.
+
+        None when the node is infeasible, or when HiGHS stopped at the time limit without a solution
+        (counted in ``time_limited_unsolved``).
+        """
         built = self.node_program(n, objective, budget, min_sps, a, b)
         if built is None:
             return None
@@ -228,14 +254,25 @@ class SizeSearch:
             scale = 1.0 if objective == "throughput" else 3600 * self.inputs.profile.target_batch_size / 1e6
             program.row(dict(bound_terms), upper=cutoff * scale - constant)
         self.programs_solved += 1
-        values = program.solve()
+        solution = program.solve(time_limit_s=self.request.solver_time_limit_s)
+        self._note(solution)
+        values = solution.values
         if values is None:
             return None
         bound = constant + sum(c * values[var] for var, c in bound_terms.items())
         counts = {offer: int(round(values[var])) for offer, var in zip(self.offers, x) if round(values[var]) > 0}
         if objective != "throughput":
             bound = bound / 3600 / self.inputs.profile.target_batch_size * 1e6
-        return counts, bound
+        return counts, bound, solution.time_limited
+
+    def _note(self, solution: Solution) -> None:
+        if not solution.time_limited:
+            return
+        self.time_limited += 1
+        if solution.values is None:
+            self.time_limited_unsolved += 1
+        elif solution.gap is not None:
+            self.largest_gap = max(self.largest_gap or 0.0, solution.gap)
 
     def node_program(self, n: int, objective: str, budget: float | None, min_sps: float | None, a: float, b: float):
         """The MILP of one node: n VMs, compute time per round within [a, b]."""

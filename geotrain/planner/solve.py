@@ -29,8 +29,12 @@ How the non-linear model becomes MILPs (see README, "Planning which VMs to rent"
 
     The result is the exact optimum of the model, up to a relative tolerance of 1e-6 on compute
     time; the unit tests check it against brute-force search over every configuration of small
-    catalogs. Sizes are visited in order of a closed-form bound, with n VMs of one offer as quick
-    incumbents, and sizes that cannot enter the top ``top`` are skipped.
+    catalogs. (Unless HiGHS reaches ``Request.solver_time_limit_s``, ``--solver-time-limit``, on a
+    program: its best solution, if any, is then used, that node is not split further, and
+    :attr:`Plan.proven_optimal` is False; with no plan found at all, the error says the time limit
+    was reached rather than naming a constraint.) Sizes are visited in order of a closed-form
+    bound, with n VMs of one offer as quick incumbents, and sizes that cannot enter the top ``top``
+    are skipped.
 
 Pruning
     Exact: within a region, an offer is dropped when another is at least as fast after
@@ -48,6 +52,7 @@ table and the frontier plot show.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -71,10 +76,33 @@ class Plan:
     programs_solved: int
     solve_s: float
     exact: bool = True  # False when a large catalog was reduced to candidates (reduce_candidates)
+    # HiGHS's time limit: programs stopped by it (with or without a solution), the largest relative
+    # MIP gap it reported when it stopped with one, and the limit itself (seconds per program).
+    time_limited: int = 0
+    time_limited_unsolved: int = 0
+    largest_gap: float | None = None
+    solver_time_limit_s: float | None = None
 
     @property
     def best(self) -> Prediction:
         return self.candidates[0]
+
+    @property
+    def proven_optimal(self) -> bool:
+        """False when a program stopped at the time limit: a better configuration may exist."""
+        return self.time_limited == 0
+
+    def time_limit_note(self) -> str | None:
+        """A sentence for the user when the time limit was reached, else None."""
+        if self.proven_optimal:
+            return None
+        gap = "" if self.largest_gap is None else f" (largest MIP gap when stopped: {self.largest_gap:.2%})"
+        unsolved = "" if not self.time_limited_unsolved else \
+            f", {self.time_limited_unsolved} of them before finding any solution"
+        return (f"Not proven optimal: HiGHS reached the time limit (--solver-time-limit {self.solver_time_limit_s:g} s "
+                f"per MILP) in {self.time_limited} of {self.programs_solved} MILPs{unsolved}{gap}; the plan is the "
+                "best found and a cheaper or faster one may exist. Raise --solver-time-limit, or lower --max-peers "
+                "or allow fewer offers (--clouds, --regions, --continents) for a smaller search.")
 
 
 def plan(inputs: Inputs, request: Request, objective: str | None = None, top: int = 5) -> Plan:
@@ -121,16 +149,41 @@ def plan(inputs: Inputs, request: Request, objective: str | None = None, top: in
                 known[n] = context.value(prediction, objective)
     found.sort(key=ranking_key(objective))
     if not found:
+        if context.time_limited_unsolved:
+            raise PlannerError(time_limit_message(context, request))
         raise PlannerError(diagnose(context, request))
     return Plan(candidates=found[:top], coordinator=coordinator, offers_considered=len(usable),
                 offers_after_pruning=len(pruned), programs_solved=context.programs_solved,
-                solve_s=time.perf_counter() - started, exact=exact)
+                solve_s=time.perf_counter() - started, exact=exact, time_limited=context.time_limited,
+                time_limited_unsolved=context.time_limited_unsolved, largest_gap=context.largest_gap,
+                solver_time_limit_s=request.solver_time_limit_s)
+
+
+def time_limit_message(context: SizeSearch, request: Request) -> str:
+    """No configuration found, but HiGHS stopped before deciding: the request may well be feasible."""
+    return (f"the solver's time limit was reached before any configuration was found: HiGHS stopped "
+            f"{context.time_limited_unsolved} of {context.programs_solved} MILPs after --solver-time-limit "
+            f"{request.solver_time_limit_s:g} s without a solution, so whether one exists is unknown; raise "
+            "--solver-time-limit, or make the search smaller: lower --max-peers, or allow fewer offers "
+            "(--clouds, --regions, --continents)")
 
 
 def diagnose(context: SizeSearch, request: Request) -> str:
     """Name the constraint that makes the request infeasible, with what would be reachable instead."""
     max_peers = request.max_peers
     quota_note = " and the region quotas" if request.region_quota_gpus else ""
+    budget, min_sps = request.budget_usd_per_hour, request.min_samples_per_second
+    if budget is not None:
+        # Checked first and without a MILP: the cheapest configuration is one VM.
+        cheapest = context.cheapest_single_vm()
+        if cheapest is not None and cheapest.usd_per_hour > budget * (1 + 1e-9) + 1e-9:
+            coordinator = context.coordinator
+            with_coordinator = "" if coordinator is None else \
+                f" with the coordinator {coordinator.name} (${coordinator.price_usd_per_hour:g}/h)"
+            enough = math.ceil(cheapest.usd_per_hour * 100 - 1e-6) / 100
+            return (f"no configuration fits the budget (--budget-usd-per-hour {budget:g}): the cheapest one, "
+                    f"{cheapest.describe()}{with_coordinator}, costs ${cheapest.usd_per_hour:.3f}/h; raise "
+                    f"--budget-usd-per-hour to at least {enough:.2f}")
 
     def best(objective_name: str, budget: float | None, min_sps: float | None) -> Prediction | None:
         options = []
@@ -142,22 +195,19 @@ def diagnose(context: SizeSearch, request: Request) -> str:
         return options[0] if options else None
 
     fastest = best("throughput", None, None)
+    if context.time_limited_unsolved:
+        return time_limit_message(context, request)
     if fastest is None:
         return (f"no configuration satisfies --max-peers {max_peers}{quota_note} with the on-demand anchor "
                 f"({context.inputs.settings.anchor}); allow more GPUs per region or another anchor")
-    budget, min_sps = request.budget_usd_per_hour, request.min_samples_per_second
     if min_sps is not None and fastest.samples_per_second < min_sps:
         return (f"--min-samples-per-second {min_sps:g} is out of reach: with --max-peers {max_peers}{quota_note} "
                 f"the fastest configuration ({fastest.describe()}) reaches {fastest.samples_per_second:.1f} samples/s; "
                 "raise --max-peers, allow more regions/clouds, or lower --min-samples-per-second")
     if budget is not None:
-        cheapest = min((context.evaluate({o: 1}) for o in context.offers
-                        if context.inputs.settings.anchor != "trainer" or not o.spot),
-                       key=lambda p: p.usd_per_hour, default=None)
-        if cheapest is not None and cheapest.usd_per_hour > budget:
-            return (f"--budget-usd-per-hour {budget:g} is below the cheapest configuration, "
-                    f"{cheapest.describe()} with its coordinator at ${cheapest.usd_per_hour:.3f}/h; raise the budget")
         within = best("throughput", budget, None)
+        if context.time_limited_unsolved:
+            return time_limit_message(context, request)
         if within is not None and min_sps is not None:
             return (f"--budget-usd-per-hour {budget:g} and --min-samples-per-second {min_sps:g} cannot both hold: "
                     f"within the budget the fastest configuration ({within.describe()}) reaches "

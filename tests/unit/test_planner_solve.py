@@ -120,8 +120,20 @@ def test_infeasible_throughput_floor_names_max_peers():
 
 def test_infeasible_budget_names_the_budget():
     inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
-    with pytest.raises(PlannerError, match=r"--budget-usd-per-hour 0.2 is below the cheapest configuration"):
+    with pytest.raises(PlannerError) as error:
         plan(inputs, Request(max_peers=4, budget_usd_per_hour=0.2))
+    assert str(error.value) == ("no configuration fits the budget (--budget-usd-per-hour 0.2): the cheapest one, "
+                                "1x gc/europe-west4 t4-vm spot with the coordinator azure/eastus t4-vm on-demand "
+                                "($0.4/h), costs $0.550/h; raise --budget-usd-per-hour to at least 0.55")
+
+
+def test_infeasible_budget_with_trainer_anchor_has_no_coordinator_and_respects_quotas():
+    inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings(anchor="trainer"))
+    with pytest.raises(PlannerError) as error:
+        plan(inputs, Request(max_peers=4, budget_usd_per_hour=0.2, region_quota_gpus={"eastus": 0}))
+    message = str(error.value)
+    assert "the cheapest one, 1x gc/us-central1 t4-vm on-demand, costs $0.572/h" in message
+    assert "coordinator" not in message
 
 
 def test_budget_and_floor_together_name_both():
