@@ -217,12 +217,12 @@ class Coordinator:
             check_writable_directory(self.initial_peers_file.parent, "--initial-peers-file")
         metrics = SwarmMetrics(swarm.run_id, config.metrics)
         durable = DurableState(config, self.state_dir, metrics) if config.coordinator.hold_state else None
+        view = SwarmView(config.cost, config.optimizer.target_batch_size,  # reads the price files
+                         config.metrics.target_epoch or config.training.max_epochs)
         metrics_port = metrics.serve(config.metrics)
         dht = self._rejoin_or_start(swarm)
         progress = PeerProgress()
         reporter = MetricsReporter(dht, swarm.run_id, "coordinator", config.metrics, progress)
-        view = SwarmView(config.cost, config.optimizer.target_batch_size,
-                         config.metrics.target_epoch or config.training.max_epochs)
         try:
             if durable is not None:
                 durable.attach(dht)

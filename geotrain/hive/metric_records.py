@@ -46,6 +46,8 @@ class MetricRecord(BaseModel):
     region: Label
     cloud: Label
     instance_type: Label
+    # how the VM is rented, which picks its price; none only in records of an older geotrain
+    purchase: Optional[constr(strict=True, regex=r"^(spot|on-demand)$")] = None
     time: confloat(strict=True, ge=0.0)  # the DHT time at which the record was made
     epoch: Count
     samples_total: Count

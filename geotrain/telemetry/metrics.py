@@ -140,9 +140,11 @@ class SwarmMetrics(_Metrics):
         self.peer_departures = counter("geotrain_swarm_peer_departures",
                                        "Trainers that left the swarm (goodbye or record expired)")
         self.instance_cost = gauge("geotrain_swarm_instance_cost_dollars_per_hour",
-                                   "What the alive trainers' VMs cost per hour (cost.instance_usd_per_hour)")
+                                   "What the alive peers' priced VMs cost per hour (the planner's catalog, "
+                                   "cost.instance_usd_per_hour)")
         self.egress_cost = gauge("geotrain_swarm_egress_cost_dollars_per_hour",
-                                 "What the trainers' measured traffic costs per hour (cost.egress_usd_per_gb)")
+                                 "What the peers' measured traffic on priced routes costs per hour (the planner's "
+                                 "egress prices, cost.egress_usd_per_gb)")
         self.cost = gauge("geotrain_swarm_cost_dollars_per_hour", "Instances plus egress, per hour")
         self.cost_per_million_samples = gauge("geotrain_swarm_cost_dollars_per_million_samples",
                                               "Dollars per 1M samples at the current cost and throughput",
@@ -151,7 +153,12 @@ class SwarmMetrics(_Metrics):
                                              "Trainers' measured traffic by source and destination region",
                                              ("peer_region", "destination_region"))
         self.unpriced_peers = gauge("geotrain_swarm_unpriced_peers",
-                                    "Alive trainers whose instance type has no price in cost.instance_usd_per_hour")
+                                    "Alive peers (the coordinator included) whose VM has no price in the catalog "
+                                    "or cost.instance_usd_per_hour: left out of the instance cost")
+        self.unpriced_routes = gauge("geotrain_swarm_unpriced_routes",
+                                     "Routes (source and destination region) with measured traffic but no egress "
+                                     "price in the egress prices or cost.egress_usd_per_gb: left out of the egress "
+                                     "cost")
         self.egress_budget = gauge("geotrain_swarm_egress_budget_dollars_per_hour",
                                    "cost.egress_budget_usd_per_hour, for the alert rule", optional=True)
         self.checkpoints = counter("geotrain_checkpoints", "Checkpoints this coordinator wrote")

@@ -34,7 +34,9 @@ from pathlib import Path
 
 import yaml
 
+from geotrain.errors import UserError
 from geotrain.lifecycle import die_with_parent
+from geotrain.ports import free_ports
 
 MONITORING_DIR = Path(__file__).resolve().parents[2] / "monitoring"
 RULES_GLOB = "rules/*.yml"
@@ -50,8 +52,8 @@ class PrometheusError(RuntimeError):
     pass
 
 
-class PrometheusNotInstalled(PrometheusError):
-    pass
+class PrometheusNotInstalled(PrometheusError, UserError):
+    """The user must install Prometheus (the message says how)."""
 
 
 def find_prometheus() -> str:
@@ -68,20 +70,6 @@ def monitoring_dir() -> Path:
         raise PrometheusError(f"geotrain's monitoring files (alert rules, console page) are not at {MONITORING_DIR}; "
                               "run from a geotrain checkout (pip install -e .)")
     return MONITORING_DIR
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct TCP ports that were free a moment ago (the kernel's choices for port 0)."""
-    probes = []
-    try:
-        for _ in range(count):  # all held open at once, so the kernel cannot hand out one twice
-            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            probes.append(probe)
-            probe.bind((host, 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
 
 
 class PrometheusServer:

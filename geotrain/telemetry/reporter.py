@@ -7,7 +7,9 @@ Each period (``metrics.publish_interval_s``) the reporter
    addresses in the other peers' records; ``unknown`` while that peer has published none),
 3. adds them to the peer's Prometheus counters (``geotrain_sent_bytes_total{destination_region}``,
    ``geotrain_received_bytes_total``), and
-4. stores the peer's signed record (:mod:`geotrain.hive.metric_records`) with its progress and traffic.
+4. stores the peer's signed record (:mod:`geotrain.hive.metric_records`) with its progress and traffic,
+   and what its VM is (cloud, region, instance type, and ``metrics.purchase``: spot for a trainer and
+   on-demand for the coordinator unless set), from which the coordinator prices it.
 
 On leaving it stores an empty record, so the swarm view drops the peer at once.
 """
@@ -86,7 +88,8 @@ class MetricsReporter(threading.Thread):
         progress = self.progress
         record = MetricRecord(
             peer_id=self.peer_id, role=self.role, region=self.config.region, cloud=self.config.cloud,
-            instance_type=self.config.instance_type, time=float(get_dht_time()), epoch=int(progress.epoch),
+            instance_type=self.config.instance_type, purchase=self.config.purchase_for(self.role),
+            time=float(get_dht_time()), epoch=int(progress.epoch),
             samples_total=int(progress.samples_total), samples_per_second=finite(progress.samples_per_second),
             granularity=None if progress.granularity is None else finite(progress.granularity),
             compute_seconds_total=finite(progress.compute_seconds_total),

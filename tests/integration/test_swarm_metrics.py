@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from geotrain.events import read_events
-from geotrain.telemetry.prometheus_server import free_ports
+from geotrain.ports import free_ports
 from swarm_helpers import FAST_SWARM, Swarm, geotrain, processes_mentioning, wait_for
 
 RUN_ID = "metrics-test"
@@ -54,7 +54,9 @@ def two_region_swarm(tmp_path_factory):
     swarm = Swarm(directory)
     ports = dict(zip(("coordinator", "us", "eu"), free_ports(3)))  # distinct, unlike three separate looks
     try:
-        swarm.start_coordinator("--no-state", "--metrics-port", str(ports["coordinator"]), *PUBLISH)
+        # the regions "us" and "eu" are not in the price files: a config rule prices their traffic
+        swarm.start_coordinator("--no-state", "--metrics-port", str(ports["coordinator"]), *PUBLISH,
+                                "--set", "cost.egress_usd_per_gb=[{usd_per_gb: 0.08}]")
         for region in ("us", "eu"):
             swarm.start_trainer(region, *FAST_SWARM, *PUBLISH, "--region", region, "--cloud", "gcp",
                                 "--metrics-port", str(ports[region]), "--wait-for-peers", "2")
@@ -89,7 +91,7 @@ def test_coordinator_aggregates_the_trainers(two_region_swarm):
     assert value(coordinator, "geotrain_swarm_peers", peer_region="eu", peer_cloud="gcp") == 1
     wait_for(lambda: value(scrape(ports["coordinator"]), "geotrain_swarm_global_epoch") >= 3, 30,
              "the swarm epoch (records lag the trainers by up to one publish period)")
-    # egress between regions is priced at the default $0.08/GB; within a region it is free
+    # egress between regions is priced by the config's rule, $0.08/GB; within a region it is free
     rate = wait_for(lambda: value(scrape(ports["coordinator"]), "geotrain_swarm_egress_bytes_per_second",
                                   peer_region="us", destination_region="eu"), 30, "a us->eu traffic rate")
     assert rate > 0
