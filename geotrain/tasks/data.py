@@ -19,17 +19,20 @@ or audio. ``task.data.source`` selects one of three sources:
       unpacked WebDataset shard. Audio is mixed to mono and resampled to 16 kHz.
 
 ``webdataset`` with ``path``
-    WebDataset tar shards, streamed (never unpacked to disk) with fsspec: a local path, a directory of
-    ``*.tar``, a glob, a brace pattern (``/data/shard-{000..099}.tar``) or any fsspec URL (``file://``,
-    ``s3://`` with s3fs installed, ``gs://``, ``memory://``...). Members are grouped into samples by the
-    name before the first dot of their file name (``000123.jpg`` + ``000123.cls``):
+    WebDataset tar shards, read by the ``webdataset`` library (its shard list, worker splitting, tar
+    iteration and shuffle buffer) from streams that fsspec opens, so never unpacked to disk: a local path, a
+    directory of ``*.tar``, a glob, a brace pattern (``/data/shard-{000..099}.tar``) or any fsspec URL
+    (``file://``, ``s3://`` with s3fs installed, ``gs://``, ``memory://``...). Members are grouped into
+    samples by the name before the first dot of their file name (``000123.jpg`` + ``000123.cls``):
 
     - cv: ``.jpg``/``.jpeg``/``.png``/``.webp`` image + ``.cls`` (the class index as text);
     - nlp: ``.txt``;
     - asr: ``.wav``/``.flac`` audio + ``.txt`` transcript.
 
     Every pass reads the shards in an order shuffled by ``data_seed`` and mixes samples through a
-    shuffle buffer, so peers reading the same shards see different sequences.
+    shuffle buffer, so peers reading the same shards see different sequences. :class:`ShardStream` can
+    also split the shards among peers (shard ``i`` to peer ``i % peer_count``) and among the workers of a
+    ``torch.utils.data.DataLoader``, so that within a pass each sample is read once in all.
 
 A user's mistake (missing folder, empty folder, missing transcript, unreadable shard, unknown URL
 scheme) raises :class:`DataSourceError`, naming the path and what was expected.
@@ -37,16 +40,25 @@ scheme) raises :class:`DataSourceError`, naming the path and what was expected.
 
 from __future__ import annotations
 
+import functools
 import glob
 import itertools
+import logging
 import random
 import re
 import tarfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
+import torch.utils.data
+import webdataset as wds
+from braceexpand import UnbalancedBracesError, braceexpand  # webdataset's own brace expansion, a dependency of it
+from webdataset.tariterators import group_by_keys, tar_file_expander
+
 from geotrain.errors import UserError
 from geotrain.tasks.base import Batch
+
+logger = logging.getLogger(__name__)
 
 Sample = TypeVar("Sample")
 
@@ -82,17 +94,8 @@ def cycle_passes(make_pass: Callable[[random.Random], Iterable[Sample]], data_se
 
 
 def shuffle_buffer(samples: Iterable[Sample], buffer_size: int, rng: random.Random) -> Iterator[Sample]:
-    """Samples in a locally shuffled order, holding at most ``buffer_size`` of them."""
-    buffer: list[Sample] = []
-    for sample in samples:
-        if len(buffer) < buffer_size:
-            buffer.append(sample)
-            continue
-        index = rng.randrange(buffer_size)
-        yield buffer[index]
-        buffer[index] = sample
-    rng.shuffle(buffer)
-    yield from buffer
+    """Samples in a locally shuffled order, holding at most ``buffer_size`` of them (webdataset's shuffle)."""
+    return wds.shuffle(buffer_size, initial=buffer_size, rng=rng)(iter(samples))
 
 
 def batches(samples: Iterator[Sample], batch_size: int, collate: Callable[[list[Sample]], Batch]) -> Iterator[Batch]:
@@ -128,23 +131,21 @@ _BRACE = re.compile(r"\{([^{}]*)\}")
 
 
 def expand_braces(pattern: str) -> list[str]:
-    """``shard-{000..002}.tar`` -> shard-000.tar, shard-001.tar, shard-002.tar; ``{a,b}`` lists alternatives."""
-    match = _BRACE.search(pattern)
-    if match is None:
-        return [pattern]
-    body = match.group(1)
-    numeric_range = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if numeric_range:
-        first, last = numeric_range.groups()
-        # zero padding follows the first bound, as in shell brace expansion: {000..099} keeps 3 digits
-        options = [str(number).zfill(len(first)) for number in range(int(first), int(last) + 1)]
-    elif "," in body:
-        options = body.split(",")
-    else:
-        raise DataSourceError(f"task.data.path {pattern!r}: cannot expand {{{body}}}; expected a range like "
-                              "{000..099} or alternatives like {train,extra}")
-    head, tail = pattern[:match.start()], pattern[match.end():]
-    return [expanded for option in options for expanded in expand_braces(head + option + tail)]
+    """``shard-{000..002}.tar`` -> shard-000.tar, shard-001.tar, shard-002.tar; ``{a,b}`` lists alternatives.
+
+    The expansion is webdataset's own (the ``braceexpand`` package it requires), not ``expand_urls``: that
+    also splits at ``::``, which would cut fsspec's chained URLs (``simplecache::s3://...``) in two.
+    """
+    expected = "a range like {000..099} or alternatives like {train,extra}"
+    try:
+        expanded = list(braceexpand(pattern))
+    except UnbalancedBracesError:
+        raise DataSourceError(f"task.data.path {pattern!r}: unbalanced braces; expected {expected}") from None
+    for name in expanded:
+        leftover = _BRACE.search(name)  # braceexpand leaves what it cannot expand, e.g. {foo}, as it is
+        if leftover is not None:
+            raise DataSourceError(f"task.data.path {pattern!r}: cannot expand {leftover.group(0)}; expected {expected}")
+    return expanded
 
 
 def _filesystem(url: str):
@@ -191,53 +192,120 @@ def resolve_shards(path: str) -> list[str]:
     return urls
 
 
-def read_shard(url: str) -> Iterator[dict[str, bytes | str]]:
-    """Samples of one tar shard, streamed: ``{"__key__": key, "__url__": url, "jpg": b"...", "cls": b"3"}``.
+def split_by_peer(src: Iterable[Sample], peer_index: int, peer_count: int) -> Iterator[Sample]:
+    """A webdataset nodesplitter for geotrain peers: item ``i`` of ``src`` goes to peer ``i % peer_count``.
 
-    Members are grouped by their name up to the first dot of the file name, so ``a/000123.seg.png``
-    belongs to sample ``a/000123`` under the extension ``seg.png``; members of one sample must be
-    adjacent, as WebDataset writers put them.
+    webdataset's own ``split_by_node`` takes the rank from ``torch.distributed`` or ``RANK``/``WORLD_SIZE``,
+    which swarm peers do not have; here the caller says which peer it is.
     """
-    import fsspec
+    if peer_count < 1 or not 0 <= peer_index < peer_count:
+        raise ValueError(f"peer_index must be in 0..peer_count-1 and peer_count at least 1, got peer_index="
+                         f"{peer_index}, peer_count={peer_count}")
+    return itertools.islice(src, peer_index, None, peer_count)
 
-    sample: dict[str, bytes | str] | None = None
-    try:
-        with fsspec.open(url, "rb") as stream, tarfile.open(fileobj=stream, mode="r|*") as archive:
-            for member in archive:
-                if not member.isfile():
-                    continue
-                directory, _, file_name = member.name.rpartition("/")
-                stem, dot, extension = file_name.partition(".")
-                if not stem or not dot:
-                    continue  # hidden files and files without an extension belong to no sample
-                key = f"{directory}/{stem}" if directory else stem
-                if sample is not None and sample["__key__"] != key:
-                    yield sample
-                    sample = None
-                if sample is None:
-                    sample = {"__key__": key, "__url__": url}
-                sample[extension.lower()] = archive.extractfile(member).read()
-    except FileNotFoundError:
+
+def _raise_shard_error(error: Exception, url: str) -> bool:
+    """webdataset error handler for one shard: every failure becomes a :class:`DataSourceError` naming it.
+
+    webdataset appends context (stream, URL) to the ``args`` of an exception on its way out of each stage
+    and hands it to the handler again, so one raised here can come back: its message is ``args[0]``.
+    """
+    if isinstance(error, DataSourceError):
+        raise DataSourceError(error.args[0]) from None
+    reason = str(error.args[0]).split(" @ ")[0] if error.args else type(error).__name__
+    if isinstance(error, FileNotFoundError):
         raise DataSourceError(f"webdataset shard {url!r} does not exist; expected a tar shard there") from None
-    except (tarfile.TarError, EOFError, OSError) as error:
-        raise DataSourceError(f"webdataset shard {url!r} is not a readable tar archive ({error}); expected "
+    if isinstance(error, (tarfile.TarError, EOFError, OSError)):
+        raise DataSourceError(f"webdataset shard {url!r} is not a readable tar archive ({reason}); expected "
                               "WebDataset tar shards") from None
-    if sample is not None:
-        yield sample
+    raise DataSourceError(f"webdataset shard {url!r} cannot be read as WebDataset samples ({reason}); expected "
+                          "members named KEY.EXTENSION, those of one sample next to each other") from None
 
 
-def stream_shards(path: str, data_seed: int,
-                  shuffle_buffer_samples: int = DEFAULT_SHUFFLE_BUFFER_SAMPLES) -> Iterator[dict[str, bytes | str]]:
-    """Endless raw samples of the shards at ``path``: shard order and sample order shuffled by ``data_seed``."""
-    urls = resolve_shards(path)
+def _read_shards(shards: Iterable[dict[str, str]]) -> Iterator[dict[str, bytes | str]]:
+    """Pipeline stage: ``{"url": ...}`` -> the shard's samples, opened through fsspec and split by webdataset.
 
-    def one_pass(rng: random.Random) -> Iterator[dict[str, bytes | str]]:
-        order = list(urls)
-        rng.shuffle(order)
-        samples = itertools.chain.from_iterable(read_shard(url) for url in order)
-        return shuffle_buffer(samples, shuffle_buffer_samples, rng)
+    Samples are ``{"__key__": key, "__url__": url, "jpg": b"...", "cls": b"3"}``: members are grouped by
+    their name up to the first dot of the file name, so ``a/000123.seg.png`` belongs to sample ``a/000123``
+    under the extension ``seg.png``; members of one sample must be adjacent, as WebDataset writers put them.
+    """
+    for shard in shards:
+        url = shard["url"]
+        handler = functools.partial(_raise_shard_error, url=url)
+        filesystem, fs_path = _filesystem(url)
+        try:
+            stream = filesystem.open(fs_path, "rb")
+        except Exception as error:  # noqa: BLE001 - whatever the filesystem raises, the message names the shard
+            handler(error)  # raises
+            raise
+        with stream:
+            files = tar_file_expander([{**shard, "stream": stream}], handler=handler)
+            yield from group_by_keys(files, handler=handler)
 
-    return cycle_passes(one_pass, data_seed, f"webdataset shards {path!r}")
+
+def _shuffle_buffer_stage(samples: Iterator[Sample], buffer_samples: int, data_seed: int,
+                          epoch: int) -> Iterator[Sample]:
+    """Pipeline stage: webdataset's shuffle buffer, seeded per pass and per DataLoader worker."""
+    worker = wds.utils.pytorch_worker_info()[2]
+    return shuffle_buffer(samples, buffer_samples, random.Random(f"geotrain-buffer:{data_seed}:{epoch}:{worker}"))
+
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """One peer's share of WebDataset shards, read pass after pass, endlessly; a torch ``IterableDataset``.
+
+    Shard ``i`` of ``urls`` (as :func:`resolve_shards` lists them) belongs to peer ``i % peer_count``.
+    Every pass shuffles this peer's shards by ``data_seed`` and the pass number (an order equal in all of
+    the peer's processes); in a ``torch.utils.data.DataLoader`` with workers, each worker then reads every
+    ``num_workers``-th shard of that order (webdataset's ``split_by_worker``). So within one pass every sample of the dataset is read
+    once, by one worker of one peer. Samples are mixed through a shuffle buffer of ``shuffle_buffer_samples``.
+
+    A worker left without a shard (more workers than the peer has shards) ends at once, with a warning; the
+    DataLoader goes on with the others. The object pickles, for DataLoaders that spawn their workers.
+    """
+
+    def __init__(self, urls: list[str], data_seed: int, *, peer_index: int = 0, peer_count: int = 1,
+                 shuffle_buffer_samples: int = DEFAULT_SHUFFLE_BUFFER_SAMPLES, source: str | None = None) -> None:
+        super().__init__()
+        self.source = source if source is not None else (urls[0] if len(urls) == 1 else f"{len(urls)} shards")
+        self.peer_urls = list(split_by_peer(list(urls), peer_index, peer_count))
+        if not self.peer_urls:
+            raise DataSourceError(f"webdataset shards {self.source!r}: {len(urls)} shard(s) cannot be split among "
+                                  f"{peer_count} peers; expected at least one shard per peer")
+        self.data_seed = data_seed
+        self.peer_index, self.peer_count = peer_index, peer_count
+        self.shuffle_buffer_samples = shuffle_buffer_samples
+
+    def one_pass(self, epoch: int) -> wds.DataPipeline:
+        """A ``webdataset.DataPipeline`` (an ``IterableDataset``) of pass ``epoch`` over this peer's shards."""
+        order_seed = epoch_rng(self.data_seed, epoch).getrandbits(63)  # the same in every worker of this peer
+        stages = [wds.SimpleShardList(self.peer_urls, seed=order_seed), wds.split_by_worker,
+                  _read_shards]
+        if self.shuffle_buffer_samples > 1:
+            stages.append(wds.pipelinefilter(_shuffle_buffer_stage)(self.shuffle_buffer_samples, self.data_seed, epoch))
+        return wds.DataPipeline(*stages)
+
+    def __iter__(self) -> Iterator[dict[str, bytes | str]]:
+        _, _, worker, num_workers = wds.utils.pytorch_worker_info()
+        if worker >= len(self.peer_urls):
+            logger.warning("webdataset shards %s: DataLoader worker %d of %d has none of this peer's %d shard(s) to "
+                           "read; use at most %d workers", self.source, worker, num_workers, len(self.peer_urls),
+                           len(self.peer_urls))
+            return
+        for epoch in itertools.count():
+            produced = False
+            for sample in self.one_pass(epoch):
+                produced = True
+                yield sample
+            if not produced:  # without this check shards without samples would spin forever
+                raise DataSourceError(f"webdataset shards {self.source!r}: a full pass over them produced no samples")
+
+
+def stream_shards(path: str, data_seed: int, shuffle_buffer_samples: int = DEFAULT_SHUFFLE_BUFFER_SAMPLES, *,
+                  peer_index: int = 0, peer_count: int = 1) -> Iterator[dict[str, bytes | str]]:
+    """Endless raw samples of the shards at ``path`` (this peer's share of them; see :class:`ShardStream`)."""
+    stream = ShardStream(resolve_shards(path), data_seed, peer_index=peer_index, peer_count=peer_count,
+                         shuffle_buffer_samples=shuffle_buffer_samples, source=path)
+    return iter(stream)
 
 
 def require_field(sample: dict[str, bytes | str], extensions: tuple[str, ...], expected: str) -> tuple[str, bytes]:

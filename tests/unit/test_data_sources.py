@@ -6,6 +6,7 @@ import io
 import itertools
 import logging
 import math
+import pickle
 import tarfile
 import uuid
 from pathlib import Path
@@ -19,7 +20,7 @@ from PIL import Image
 
 from geotrain.config import TaskConfig
 from geotrain.tasks import build_task
-from geotrain.tasks.data import DataSourceError, expand_braces
+from geotrain.tasks.data import DataSourceError, ShardStream, expand_braces, stream_shards
 
 
 @pytest.fixture(autouse=True)
@@ -287,3 +288,99 @@ def test_brace_patterns_expand_like_a_shell():
     assert expand_braces("s-{000..002}.tar") == ["s-000.tar", "s-001.tar", "s-002.tar"]
     assert expand_braces("{a,b}/{8..10}") == ["a/8", "a/9", "a/10", "b/8", "b/9", "b/10"]
     assert expand_braces("plain.tar") == ["plain.tar"]
+
+
+def test_unexpandable_braces_are_named():
+    with pytest.raises(DataSourceError, match=r"shard-\{x\}\.tar.*cannot expand \{x\}"):
+        expand_braces("/data/shard-{x}.tar")
+    with pytest.raises(DataSourceError, match=r"shard-\{0\.\.3\.tar.*unbalanced braces"):
+        expand_braces("/data/shard-{0..3.tar")
+
+
+# ------------------------------------------------------------------------- webdataset: peers and workers
+
+def _numbered_shards(directory: Path, count: int, per_shard: int = 3) -> tuple[list[str], set[str]]:
+    """``count`` text shards of ``per_shard`` samples each: their paths and every sample key."""
+    directory.mkdir(exist_ok=True)
+    urls = []
+    for shard in range(count):
+        path = directory / f"part-{shard:02d}.tar"
+        path.write_bytes(_tar([(f"s{shard:02d}-{index}", {"txt": f"{shard} {index}".encode()})
+                               for index in range(per_shard)]))
+        urls.append(str(path))
+    return urls, {f"s{shard:02d}-{index}" for shard in range(count) for index in range(per_shard)}
+
+
+def _shard_number(sample) -> int:
+    return int(Path(sample["__url__"]).stem.split("-")[1])
+
+
+@pytest.mark.parametrize("peers, workers", [(1, 1), (1, 3), (2, 2), (3, 2), (4, 1)])
+def test_peers_and_workers_read_every_sample_once_per_pass(tmp_path, monkeypatch, peers, workers):
+    urls, expected = _numbered_shards(tmp_path, 7)
+    for epoch in (0, 1):
+        keys = []
+        for peer in range(peers):
+            stream = ShardStream(urls, data_seed=100 + peer, peer_index=peer, peer_count=peers)
+            for worker in range(workers):
+                # webdataset's split_by_worker reads these when no DataLoader worker is running
+                monkeypatch.setenv("WORKER", str(worker))
+                monkeypatch.setenv("NUM_WORKERS", str(workers))
+                samples = list(stream.one_pass(epoch))
+                assert all(_shard_number(sample) % peers == peer for sample in samples)  # shard i -> peer i % peers
+                keys += [sample["__key__"] for sample in samples]
+        assert len(keys) == len(expected) and set(keys) == expected
+
+
+def test_a_dataloader_with_two_workers_reads_each_sample_once(tmp_path):
+    urls, expected = _numbered_shards(tmp_path, 9)
+    keys = []
+    for peer in range(2):
+        one_pass = ShardStream(urls, data_seed=peer, peer_index=peer, peer_count=2).one_pass(epoch=0)
+        loader = torch.utils.data.DataLoader(one_pass, batch_size=None, num_workers=2)
+        keys += [sample["__key__"] for sample in loader]
+    assert len(keys) == len(expected) and set(keys) == expected
+
+    # the endless stream: peer 0 of 2 has 5 shards; worker 0 reads 3 of them in each pass, worker 1 two
+    stream = ShardStream(urls, data_seed=5, peer_index=0, peer_count=2, shuffle_buffer_samples=4)
+    loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2))
+    first = [sample["__key__"] for sample in itertools.islice(loader, 12)]  # in turn: 6 of each worker
+    del loader
+    assert len(set(first)) == 12 and {key[:3] for key in first} <= {"s00", "s02", "s04", "s06", "s08"}
+
+
+def test_shard_streams_are_endless_and_reshuffled_every_pass(tmp_path):
+    urls, expected = _numbered_shards(tmp_path, 4)
+    stream = stream_shards(f"{tmp_path}/part-{{00..03}}.tar", data_seed=1, shuffle_buffer_samples=2)
+    passes = [[sample["__key__"] for sample in itertools.islice(stream, 12)] for _ in range(3)]
+    assert all(sorted(keys) == sorted(expected) for keys in passes)  # a pass reads every sample once
+    assert len({tuple(keys) for keys in passes}) > 1
+    again = stream_shards(f"{tmp_path}/part-*.tar", data_seed=1, shuffle_buffer_samples=2)
+    assert [sample["__key__"] for sample in itertools.islice(again, 12)] == passes[0]
+    other = stream_shards(str(tmp_path), data_seed=2, shuffle_buffer_samples=2)
+    assert [sample["__key__"] for sample in itertools.islice(other, 12)] != passes[0]
+
+
+def test_shard_streams_pickle_and_check_their_share(tmp_path, monkeypatch):
+    urls, _ = _numbered_shards(tmp_path, 2)
+    stream = ShardStream(urls, data_seed=0, peer_index=1, peer_count=2)
+    copy = pickle.loads(pickle.dumps(stream))  # DataLoaders that spawn workers pickle the dataset
+    assert [sample["__key__"] for sample in pickle.loads(pickle.dumps(copy.one_pass(0)))] != []
+    with pytest.raises(DataSourceError, match=r"2 shard\(s\) cannot be split among 3 peers"):
+        ShardStream(urls, data_seed=0, peer_index=2, peer_count=3)
+    with pytest.raises(ValueError, match=r"peer_index"):
+        ShardStream(urls, data_seed=0, peer_index=2, peer_count=2)
+    monkeypatch.setenv("WORKER", "1")  # a worker without a shard ends instead of spinning over empty passes
+    monkeypatch.setenv("NUM_WORKERS", "2")
+    assert list(stream) == []
+
+
+def test_a_corrupt_shard_among_good_ones_is_named(tmp_path):
+    urls, _ = _numbered_shards(tmp_path, 3)
+    # cut off inside a member's data: tarfile takes a cut between members for the end of the archive
+    Path(urls[1]).write_bytes(_tar([("s01-0", {"txt": b"x" * 5000})])[:2000])
+    with pytest.raises(DataSourceError, match=r"part-01\.tar.*not a readable tar archive"):
+        list(ShardStream(urls, data_seed=0).one_pass(0))
+    Path(urls[1]).unlink()
+    with pytest.raises(DataSourceError, match=r"part-01\.tar.*does not exist"):
+        list(ShardStream(urls, data_seed=0).one_pass(0))
