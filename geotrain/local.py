@@ -26,9 +26,10 @@ from tqdm import tqdm
 from geotrain.config import GeotrainConfig, write_resolved_config
 from geotrain.events import read_events
 from geotrain.launcher import LaunchError, PeerProcess, ProcessLauncher
+from geotrain.ports import ensure_port_free, free_ports
 from geotrain.telemetry.prometheus_server import (DEFAULT_PORT as DEFAULT_PROMETHEUS_PORT,
                                                   DEFAULT_SCRAPE_INTERVAL_S, PrometheusError, PrometheusServer,
-                                                  find_prometheus, free_ports)
+                                                  find_prometheus)
 
 POLL_INTERVAL_S = 0.5
 
@@ -59,7 +60,8 @@ class LocalSwarm:
         if metrics_base_port is not None:
             self.metrics_ports = {name: metrics_base_port + i for i, name in enumerate(names)}
         if prometheus:
-            find_prometheus()  # before anything starts: a missing binary is the user's to fix
+            find_prometheus()  # before anything starts: a missing binary or a taken port is the user's to fix
+            ensure_port_free("127.0.0.1", prometheus_port, "Prometheus", "--prometheus-port (0 for any free port)")
             ports = free_ports(len(names) + 1)  # distinct: the peers' metrics and Prometheus' own
             self.metrics_ports = self.metrics_ports or dict(zip(names, ports))
             self.prometheus = PrometheusServer(self.run_dir / "prometheus", port=prometheus_port or ports[-1])

@@ -6,9 +6,7 @@ in use or an initial peer that does not answer gives the same clear error everyw
 
 from __future__ import annotations
 
-import errno
 import logging
-import socket
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
 import hivemind
@@ -17,33 +15,14 @@ from hivemind.optim.progress_tracker import TrainingProgressSchema
 
 from geotrain.config import SwarmConfig
 from geotrain.errors import SwarmUnreachableError, UserError
+from geotrain.ports import ensure_port_free
 from geotrain.hive.metric_records import MetricsSchema
 
 logger = logging.getLogger(__name__)
 
 
 class ListenError(UserError):
-    """This peer cannot listen where it was told to (port in use, foreign address, identity in use)."""
-
-
-def ensure_port_free(host: str, port: int, what: str, flag: str) -> None:
-    """Fail early, naming the flag to change, if ``host:port`` cannot be bound."""
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                raise ListenError(
-                    f"{what} port {port} on {host} is already in use (another peer or program listens there); "
-                    f"choose another with {flag} or stop the other program") from None
-            if error.errno == errno.EADDRNOTAVAIL:
-                raise ListenError(
-                    f"{what} address {host} is not an address of this machine; use 0.0.0.0 to listen on all "
-                    "interfaces and --announce-host for the public address") from None
-            raise ListenError(f"cannot listen on {host}:{port} for the {what}: {error.strerror}") from None
+    """This peer's identity is already used by a running peer."""
 
 
 def record_validators(run_id: str):
@@ -53,7 +32,8 @@ def record_validators(run_id: str):
 
 
 def start_dht(swarm: SwarmConfig):
-    """Start this peer's DHT node; raise :class:`ListenError` or :class:`SwarmUnreachableError` with an operator's message."""
+    """Start this peer's DHT node; raise a :class:`~geotrain.errors.UserError` or
+    :class:`SwarmUnreachableError` with an operator's message."""
     ensure_port_free(swarm.host, swarm.port, "DHT", "--port")
     if swarm.identity_path is not None:
         swarm.identity_path.parent.mkdir(parents=True, exist_ok=True)

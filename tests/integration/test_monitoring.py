@@ -25,8 +25,8 @@ from geotrain.telemetry.prometheus_server import (MONITORING_DIR, PrometheusErro
                                         dashboard_expressions, query, rule_expressions)
 from swarm_helpers import FAST_SWARM, geotrain, processes_mentioning, wait_for
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
-                                reason="prometheus not installed (apt-get install prometheus)")
+needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None,
+                                      reason="prometheus not installed (apt-get install prometheus)")
 
 DASHBOARD = MONITORING_DIR / "grafana" / "dashboards" / "geotrain.json"
 CONSOLE = MONITORING_DIR / "consoles" / "geotrain.html"
@@ -107,6 +107,7 @@ def swarm(tmp_path_factory):
         assert not live.kill_leftovers(), "a process of the local swarm outlived it"
 
 
+@needs_prometheus
 def test_prometheus_scrapes_every_trainer_and_the_coordinator(swarm):
     targets = api_get(swarm.url, "/api/v1/targets", {"state": "active"})["activeTargets"]
     by_process = {target["labels"]["process"]: target["health"] for target in targets}
@@ -115,6 +116,7 @@ def test_prometheus_scrapes_every_trainer_and_the_coordinator(swarm):
     assert roles == {"trainer", "coordinator"}
 
 
+@needs_prometheus
 def test_every_dashboard_and_console_expression_returns_data(swarm):
     expressions = [f"dashboard panel {title!r}: {expression}" for title, expression in dashboard_expressions(DASHBOARD)]
     expressions += [f"console page: {expression}" for expression in console_expressions(CONSOLE)]
@@ -138,6 +140,7 @@ def test_every_dashboard_and_console_expression_returns_data(swarm):
     assert not empty, "no data for:\n" + "\n".join(empty)
 
 
+@needs_prometheus
 def test_every_alert_rule_evaluates_on_the_live_server(swarm):
     for name, expression in rule_expressions(RULES):
         try:
@@ -156,6 +159,7 @@ def test_every_alert_rule_evaluates_on_the_live_server(swarm):
             assert rule["health"] == "ok", f"{rule['name']}: {rule.get('lastError')}"
 
 
+@needs_prometheus
 def test_swarm_samples_per_second_is_the_sum_of_the_trainers(swarm):
     # The coordinator sums the samples/s each trainer publishes in its DHT record; each trainer's gauge is the
     # same number. Both change at every epoch end (every 2-3 s here) and the coordinator sees a new value up
@@ -176,6 +180,7 @@ def test_swarm_samples_per_second_is_the_sum_of_the_trainers(swarm):
     pytest.fail(f"the swarm's samples/s never matched the sum of the trainers' within 5%: (swarm, trainers) = {seen}")
 
 
+@needs_prometheus
 def test_console_page_draws_the_throughput_graph_in_a_browser(swarm, tmp_path):
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
@@ -202,6 +207,7 @@ def test_console_page_draws_the_throughput_graph_in_a_browser(swarm, tmp_path):
     assert "Samples/s" in page.stdout and "error executing template" not in page.stdout
 
 
+@needs_prometheus
 def test_stopping_the_swarm_stops_prometheus(swarm):
     assert swarm.stop() == 130  # Ctrl-C
     assert "stopping the local swarm" in swarm.output()
@@ -227,6 +233,7 @@ def test_prometheus_flags_need_prometheus(tmp_path):
     assert "--prometheus-port: only with --prometheus" in result.stderr
 
 
+@needs_prometheus
 def test_a_taken_prometheus_port_is_reported_before_the_swarm_starts(tmp_path):
     import socket
 
@@ -236,8 +243,8 @@ def test_a_taken_prometheus_port_is_reported_before_the_swarm_starts(tmp_path):
         port = taken.getsockname()[1]
         result = geotrain("local", "--prometheus", "--prometheus-port", str(port), "--run-dir", str(tmp_path / "run"),
                           *FAST_SWARM, timeout_s=120)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert f"could not listen on 127.0.0.1:{port}: the port is in use" in result.stderr
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"Prometheus port {port} on 127.0.0.1 is already in use" in result.stderr
     assert "--prometheus-port" in result.stderr
     assert not (tmp_path / "run" / "coordinator.log").exists(), "the swarm started although Prometheus could not"
     assert not processes_mentioning(str(tmp_path))
