@@ -1,11 +1,11 @@
-"""[EMJ24] setups A-4, B-4 and C-4 in the lab: one `geotrain bench` run each, one plot, one README table.
+"""[EMJ24] setups A-4, B-4 and C-4 in the lab: one `geotrain bench` run each, one plot, one table (README and docs/benchmarks.md).
 
     sudo python benchmarks/lab_bench.py                      # about 10 min on 2 shared cores
     sudo python benchmarks/lab_bench.py --setups C-4 --profile roberta_xlm
 
 Each setup runs as its own `geotrain bench` command (a real swarm in the lab, compute emulated; see
 geotrain/lab/bench.py) and writes ``benchmarks/results/lab_<setup>.json``; this script then draws
-``benchmarks/results/lab_bench.png`` from all of them and prints the README's table rows.
+``benchmarks/results/lab_bench.png`` from all of them and prints the table rows for docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ within $6/h.
 Run from the repository root::
 
     python benchmarks/planner_solve_time.py            # writes benchmarks/results/planner_solve_time.json (+ .png)
-    python benchmarks/planner_solve_time.py --table    # prints the README table from that JSON
+    python benchmarks/planner_solve_time.py --table    # prints the docs/benchmarks.md table from that JSON
     python benchmarks/planner_solve_time.py --plot     # redraws the PNG from that JSON
 """
 

@@ -125,10 +125,9 @@ def _base58_decode(text: str) -> bytes | None:
 def peer_id_problem(peer_id: str) -> str | None:
     """Why ``peer_id`` is not a libp2p peer id (base58 of a sha256 or identity multihash), or None."""
     decoded = _base58_decode(peer_id)
-    if not decoded or len(decoded) < 3:
+    if decoded is None:
         return f"peer id {peer_id!r} is not base58"
-    code, length = decoded[0], decoded[1]
-    if code not in (_MULTIHASH_IDENTITY, _MULTIHASH_SHA256) or length != len(decoded) - 2:
+    if len(decoded) < 3 or decoded[0] not in (_MULTIHASH_IDENTITY, _MULTIHASH_SHA256) or decoded[1] != len(decoded) - 2:
         return f"peer id {peer_id!r} is not a libp2p peer id"
     return None
 
@@ -446,7 +445,8 @@ def _describe_error(error: dict[str, Any]) -> str:
     message = error["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
-        if message.split(":", 1)[0].count(".") and " " not in message.split(":", 1)[0]:
+        first_word = message.split(" ", 1)[0].rstrip(":")
+        if "." in first_word and first_word.startswith(f"{key}."):
             return message  # already names its key
     if "input" in error and error["type"] not in ("missing",) and not isinstance(error["input"], dict):
         return f"{key}: {message[0].lower() + message[1:]}, got {error['input']!r}"
@@ -458,7 +458,13 @@ def validate_config(data: dict[str, Any], origin: str = "config") -> GeotrainCon
     try:
         return GeotrainConfig.model_validate(data)
     except ValidationError as error:
-        lines = [_describe_error(e) for e in error.errors()]
+        errors = error.errors()
+        # an unknown network profile sets none of its keys: their "field required" would only be noise
+        bad_profiles = {e["loc"][:-1] for e in errors if e["loc"][-1:] == ("network_profile",)}
+        profile_keys = set(next(iter(NETWORK_PROFILES.values())))
+        errors = [e for e in errors if not (e["type"] == "missing" and e["loc"][:-1] in bad_profiles
+                                            and e["loc"][-1] in profile_keys)]
+        lines = [_describe_error(e) for e in errors]
         raise ConfigError(f"{origin} is not valid:\n  " + "\n  ".join(lines)) from None
 
 

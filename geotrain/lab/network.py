@@ -42,7 +42,7 @@ STATE_DIR = Path(os.environ.get("GEOTRAIN_LAB_STATE_DIR", "/run/geotrain"))
 TUN_DEVICE = "gtlab-tun"
 RELAY_TABLE = 77
 # Jumbo frames (as inside a cloud VPC: GCP up to 8896, AWS 9001) cut the relay's packets per second
-# six-fold against 1500; the figures in the README were measured with this MTU.
+# six-fold against 1500; the figures in docs/benchmarks.md were measured with this MTU.
 DEFAULT_MTU = 9000
 RELAY_START_TIMEOUT_S = 15.0
 STOP_GRACE_S = 3.0

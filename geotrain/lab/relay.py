@@ -18,7 +18,7 @@ Started by ``geotrain lab up`` inside the hub namespace::
 
 One Python thread serves every pair: it reads all waiting packets at once (``os.read`` on the
 non-blocking TUN fd), keeps them in a heap ordered by due time and sleeps in ``select`` until the
-next one is due. The README's "Lab" section gives the rate it sustains on this machine kind.
+next one is due. docs/lab.md gives the rate it sustains on this machine kind.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ What is optimised
     clouds/regions/continents, and an on-demand anchor for durable state (a separate coordinator
     VM, or at least one on-demand training VM).
 
-How the non-linear model becomes MILPs (see README, "Planning which VMs to rent")
+How the non-linear model becomes MILPs (see docs/planning.md)
     Throughput ``TBS / (T_calc + T_comm)`` is not linear in the VM counts, cost per sample is a
     ratio, and egress is quadratic (every pair of peers talks). Three devices handle that:
 

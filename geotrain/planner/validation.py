@@ -6,7 +6,7 @@ efficiency and the per-round overhead; RoBERTa-XLM's A-8 speedup (2.75x) and gra
 its efficiency and compute time per round. The rows below that are not marked "calibration" are
 predictions of setups the calibration never saw: other continents, other clouds, other GPUs, sizes.
 
-``python -m geotrain.planner.validation`` prints the table that the README shows.
+``python -m geotrain.planner.validation`` prints the table that docs/planning.md shows.
 """
 
 from __future__ import annotations

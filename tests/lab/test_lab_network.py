@@ -2,7 +2,7 @@
 
 - a round trip between two regions takes the configured RTT (twice the one-way latency), within 10%;
 - one TCP stream between them gets the configured bandwidth, within 15% (30 Mbit/s: a rate the relay
-  sustains on 2 busy cores; the README gives the relay's measured limits);
+  sustains on 2 busy cores; docs/lab.md gives the relay's measured limits);
 - `geotrain lab down` leaves no namespace, link, relay or process behind, also after the relay was
   SIGKILLed and the state file deleted, and is safe to repeat.
 """

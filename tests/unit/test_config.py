@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from geotrain.config import NETWORK_PROFILES, ConfigError, load_config, parse_override
+from geotrain.config import NETWORK_PROFILES, ConfigError, load_config, parse_override, validate_config
 
 
 def write(tmp_path, text):
@@ -92,3 +94,38 @@ def test_resolved_config_round_trips(tmp_path):
     config = load_config(set_args=["optimizer.network_profile=continent", "task.preset=tiny"])
     path = write(tmp_path, config.to_yaml())
     assert load_config(path) == config
+
+
+def test_an_unknown_network_profile_is_one_line_not_a_list_of_missing_keys():
+    with pytest.raises(ConfigError) as error:
+        validate_config({"optimizer": {"network_profile": "moon"}})
+    lines = str(error.value).splitlines()[1:]
+    assert len(lines) == 1 and "optimizer.network_profile" in lines[0] and "'moon'" in lines[0], lines
+
+
+def test_a_check_of_two_keys_names_them_once():
+    with pytest.raises(ConfigError) as error:
+        validate_config({"optimizer": {"target_batch_size": 16, "batch_size_per_step": 32}})
+    assert str(error.value).splitlines()[1].strip().startswith("optimizer.target_batch_size (16) is below")
+
+
+@pytest.mark.parametrize("address, problem", [
+    ("/ip4/999.1.1.1/tcp/1/p2p/12D3KooWSR5Er8swms7XFXsxgUdTRxRYw2FSt6wucGdQTSSFf3cx", "'999.1.1.1' is not an IPv4"),
+    ("/ip4/10.0.0.1/tcp/1/p2p/garbage0", "peer id 'garbage0' is not base58"),
+    ("/ip4/10.0.0.1/tcp/1/p2p/QmafccJR848kZ8KvPNnG5UQt6pXqGd6RBQt4fuHyKpP4r", "is not a libp2p peer id"),
+    ("/p2p/12D3KooWSR5Er8swms7XFXsxgUdTRxRYw2FSt6wucGdQTSSFf3cx", "does not start with a host"),
+    ("/ip4/10.0.0.1/p2p/12D3KooWSR5Er8swms7XFXsxgUdTRxRYw2FSt6wucGdQTSSFf3cx", "no /tcp/PORT"),
+    ("/dns4/-bad-/tcp/1/p2p/12D3KooWSR5Er8swms7XFXsxgUdTRxRYw2FSt6wucGdQTSSFf3cx", "is not a host name"),
+])
+def test_peer_addresses_are_checked_before_anything_dials_them(address, problem):
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        validate_config({"swarm": {"initial_peers": [address]}})
+
+
+@pytest.mark.parametrize("address", [
+    "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWSR5Er8swms7XFXsxgUdTRxRYw2FSt6wucGdQTSSFf3cx",
+    "/ip6/::1/tcp/31337/p2p/QmafccJR848kZ8KvPNnG5UQt6pXqGd6RBQt4fuHyKpP4rQ",
+    "/dns4/coordinator.example.org/tcp/31337/p2p/QmafccJR848kZ8KvPNnG5UQt6pXqGd6RBQt4fuHyKpP4rQ",
+])
+def test_real_peer_addresses_pass(address):
+    assert validate_config({"swarm": {"initial_peers": [address]}}).swarm.initial_peers == [address]
