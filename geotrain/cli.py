@@ -70,6 +70,19 @@ TRAINING_FLAGS = {
     "--local-updates": ("optimizer.use_local_updates", {"action": argparse.BooleanOptionalAction}),
     "--matchmaking-time": ("optimizer.matchmaking_time_s", {"type": float, "metavar": "SECONDS"}),
     "--averaging-timeout": ("optimizer.averaging_timeout_s", {"type": float, "metavar": "SECONDS"}),
+    "--device": ("training.device", {"help": "auto (default: the first CUDA GPU, else the CPU), cpu, cuda or cuda:N"}),
+    "--precision": ("training.precision", {"help": "auto (default), fp32, fp16 or bf16"}),
+    "--data-workers": ("training.data_workers", {"type": int, "metavar": "N",
+                                                 "help": "DataLoader worker processes (default 2; 0: none)"}),
+    "--data-part": ("task.data.part", {"metavar": "I/N", "help": "webdataset: read only part I of N of the shards"}),
+    "--offload-optimizer": ("optimizer.offload_optimizer", {"action": argparse.BooleanOptionalAction,
+                                                            "help": "optimizer state in host memory (default on)"}),
+    "--lr-schedule": ("optimizer.lr_schedule", {"help": "constant (default), cosine or linear, by the swarm's epoch"}),
+    "--warmup-epochs": ("optimizer.warmup_epochs", {"type": int, "metavar": "N"}),
+    "--schedule-epochs": ("optimizer.schedule_epochs", {"type": int, "metavar": "N",
+                                                        "help": "epoch the decay ends at (default: --max-epochs)"}),
+    "--min-lr": ("optimizer.min_learning_rate", {"type": float}),
+    "--grad-clip-norm": ("optimizer.grad_clip_norm", {"type": float, "metavar": "NORM"}),
 }
 
 
@@ -77,7 +90,7 @@ PEER_FLAGS = {
     "--max-epochs": ("training.max_epochs", {"type": int}),
     "--preemption": ("preemption.source",
                      {"help": "where spot preemption notices come from: auto (default), aws, gcp, azure, signal, none"}),
-    "--data-seed": ("training.data_seed", {"type": int, "help": "seed of this peer's data order (default: from its peer id)"}),
+    "--data-seed": ("training.data_seed", {"type": int, "help": "seed of this peer's data order (default: a random one, logged)"}),
     "--events": ("training.events_path", {"metavar": "JSONL", "help": "write one JSON line per state change here"}),
     "--wait-for-peers": ("training.wait_for_peers",
                          {"type": int, "metavar": "N",
@@ -203,11 +216,12 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    config = config_from_args(args, [TRAINING_FLAGS], defaults={"optimizer.network_profile": "loopback"})
     if args.peers < 1:
         raise ConfigError("--peers: expected at least 1 trainer")
     if args.epochs < 1:
         raise ConfigError("--epochs: expected at least 1 epoch")
+    config = config_from_args(args, [TRAINING_FLAGS], {"training.max_epochs": args.epochs},
+                              defaults={"optimizer.network_profile": "loopback"})
     if args.metrics_base_port is not None and not 1 <= args.metrics_base_port <= 65535 - args.peers:
         raise ConfigError(f"--metrics-base-port: {args.peers} trainers and the coordinator serve metrics on ports "
                           f"{args.metrics_base_port} to {args.metrics_base_port + args.peers}; expected a base port "

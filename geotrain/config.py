@@ -219,6 +219,18 @@ class OptimizerConfig(_Strict):
     grad_compression: GradCompression
     delayed_parameter_updates: bool
     use_local_updates: bool = Field(False, description="Step locally each micro-step; average parameters instead.")
+    offload_optimizer: bool = Field(
+        True, description="Keep an fp32 copy of the parameters and the optimizer state in host memory (hivemind's "
+                          "offload_optimizer): the GPU holds only the model and its gradients.")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Learning rate after the warmup, by the swarm's epoch: constant, or a cosine or "
+                                "linear decay to min_learning_rate at schedule_epochs.")
+    warmup_epochs: int = Field(0, ge=0, description="Epochs of linear warmup from 0 to learning_rate.")
+    schedule_epochs: int | None = Field(
+        None, ge=1, description="Epoch at which the decay reaches min_learning_rate; default training.max_epochs.")
+    min_learning_rate: float = Field(0.0, ge=0, description="Learning rate at the end of the decay.")
+    grad_clip_norm: float | None = Field(
+        None, gt=0, description="Clip the averaged gradients to this global L2 norm before each step; none: no clip.")
     matchmaking_time_s: float = Field(gt=0)
     averaging_timeout_s: float = Field(gt=0)
     request_timeout_s: float = Field(gt=0, description="How long to wait for a group leader's answer.")
@@ -262,12 +274,30 @@ class DataConfig(_Strict):
     source: Literal["synthetic", "folder", "webdataset"] = "synthetic"
     path: str | None = Field(None, description="Local folder/file/glob, or an fsspec URL for webdataset shards.")
     tokenizer_path: str | None = Field(None, description="NLP only: a tokenizer.json; default is built in.")
+    part: str | None = Field(
+        None, pattern=r"^[0-9]+/[1-9][0-9]*$",
+        description="webdataset only, I/N: read only the I-th (from 0) of N disjoint parts of the shards, e.g. one "
+                    "part per trainer of a VM; none: every shard, in an order of this peer's own.")
 
     @model_validator(mode="after")
     def _check_path(self) -> "DataConfig":
         if self.source != "synthetic" and not self.path:
             raise ValueError(f"task.data.path: required when task.data.source is {self.source!r}")
+        if self.part is not None:
+            index, count = (int(number) for number in self.part.split("/"))
+            if index >= count:
+                raise ValueError(f"task.data.part: {self.part!r} names part {index} of {count}; parts count from 0, "
+                                 f"so expected 0/{count} to {count - 1}/{count}")
+            if self.source != "webdataset":
+                raise ValueError("task.data.part: only for task.data.source webdataset (shards split into parts)")
         return self
+
+    def part_index_and_count(self) -> tuple[int, int]:
+        """(I, N) of ``part``; (0, 1) reads every shard."""
+        if self.part is None:
+            return 0, 1
+        index, count = self.part.split("/")
+        return int(index), int(count)
 
 
 class TaskConfig(_Strict):
@@ -396,7 +426,19 @@ class CoordinatorConfig(_Strict):
                                           "credentials may also come from the storage's usual environment variables.")
 
 
+Precision = Literal["auto", "fp32", "fp16", "bf16"]
+
+
 class TrainingConfig(_Strict):
+    """How one trainer runs: where it computes, in which precision, how its data is read, how long."""
+
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                        description="auto (the first CUDA GPU if there is one, else the CPU), cpu, cuda or cuda:N.")
+    precision: Precision = Field(
+        "auto", description="fp32, fp16 (autocast and a grad scaler: T4, V100) or bf16 (autocast: A10, L4, A100, "
+                            "H100 and CPUs); auto picks bf16 on GPUs that have it, else fp16, and fp32 on the CPU.")
+    data_workers: int = Field(2, ge=0, description="DataLoader worker processes that read, decode and augment "
+                                                   "samples; 0 reads them in the training loop's own thread.")
     max_epochs: int | None = Field(None, ge=1, description="Stop after this many global epochs; none runs on.")
     data_seed: int | None = Field(None, ge=0, description="Seed of this peer's data order; default from its id.")
     threads: int | None = Field(None, ge=1, description="torch CPU threads of this peer; none: torch's choice.")
@@ -418,6 +460,17 @@ class GeotrainConfig(_Strict):
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
+
+    @model_validator(mode="after")
+    def _check_schedule_horizon(self) -> "GeotrainConfig":
+        if self.optimizer.lr_schedule != "constant" and self.schedule_epochs() is None:
+            raise ValueError(f"optimizer.schedule_epochs: a {self.optimizer.lr_schedule} schedule needs the epoch its "
+                             "decay ends at; set optimizer.schedule_epochs or training.max_epochs")
+        return self
+
+    def schedule_epochs(self) -> int | None:
+        """The epoch at which the learning-rate decay ends."""
+        return self.optimizer.schedule_epochs or self.training.max_epochs
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
