@@ -71,7 +71,7 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from geotrain.errors import UserError
+from geotrain.errors import OperatorError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class CheckpointInfo:
     config_yaml: str = ""  # the config the checkpoint belongs to, as the coordinator that wrote it resolved it
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(OperatorError):
     """A checkpoint that fails to verify, or a mirror that cannot be read; the message says which and why."""
 
 

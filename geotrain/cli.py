@@ -19,7 +19,8 @@ import warnings
 from pathlib import Path
 
 from geotrain.config import ConfigError, GeotrainConfig, load_config
-from geotrain.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED, SwarmUnreachableError, UserError
+from geotrain.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED, OperatorError,
+                             SwarmUnreachableError, UserError)
 from geotrain.lab.command import add_lab_commands
 from geotrain.lifecycle import Stopper
 from geotrain.local import LocalSwarm
@@ -288,6 +289,9 @@ def _run_handler(handler, args: argparse.Namespace) -> int:
     except SwarmUnreachableError as error:
         print(f"geotrain {args.command}: {error}", file=sys.stderr)
         return EXIT_SWARM_UNREACHABLE
+    except OperatorError as error:
+        print(f"geotrain {args.command}: {error}", file=sys.stderr)
+        return EXIT_UNEXPECTED
     except KeyboardInterrupt:
         return EXIT_OK
     except Exception:

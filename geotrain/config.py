@@ -425,6 +425,13 @@ class CoordinatorConfig(_Strict):
         default_factory=dict, description="fsspec storage options of the mirror, e.g. {endpoint_url: ..., key: ...}; "
                                           "credentials may also come from the storage's usual environment variables.")
 
+    @model_validator(mode="after")
+    def _check_mirror(self) -> "CoordinatorConfig":
+        if self.mirror_url and not self.hold_state:
+            raise ValueError("coordinator.mirror_url: a coordinator that holds no state (--no-state) writes no "
+                             "checkpoints to mirror; drop --mirror-url or --no-state")
+        return self
+
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
 
@@ -474,6 +481,12 @@ class GeotrainConfig(_Strict):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def shareable_yaml(self) -> str:
+        """The config without secrets (the mirror's storage options hold credentials): what checkpoints record."""
+        data = self.model_dump(mode="json")
+        data["coordinator"]["mirror_options"] = {key: "<redacted>" for key in data["coordinator"]["mirror_options"]}
+        return yaml.safe_dump(data, sort_keys=False)
 
     def coordinator_port(self) -> int:
         """The port the coordinator listens on: swarm.port when it was given, else coordinator.port."""

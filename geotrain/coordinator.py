@@ -98,10 +98,11 @@ class DurableState:
     def __init__(self, config: GeotrainConfig, state_dir: Path, metrics=None):
         self.config = config
         settings = config.coordinator
-        self.model = build_task(config.task).build_model()
+        # the mirror first: a URL or driver that cannot work is reported before a large model is built
         self.store = CheckpointStore(state_dir / "checkpoints", keep=settings.keep_checkpoints,
-                                     mirror_url=settings.mirror_url, config_yaml=config.to_yaml(),
+                                     mirror_url=settings.mirror_url, config_yaml=config.shareable_yaml(),
                                      storage_options=settings.mirror_options)
+        self.model = build_task(config.task).build_model()
         self.optimizer = None
         self.saved_epoch = -1
         self.saved_monotonic_s = time.monotonic()

@@ -5,7 +5,9 @@
 - :class:`SwarmUnreachableError` (exit 3): no peer of the swarm answered; worth retrying later.
 - 75: a trainer left after a preemption notice (:data:`geotrain.preemption.EXIT_PREEMPTED`).
 - 143: a stop did not finish within its deadline and the watchdog ended the process.
-- 1: anything unexpected (a bug: the log has the traceback).
+- 1: :class:`OperatorError` (something outside the command failed, e.g. a bucket that cannot be read;
+  the message says what to check, and a restart may help) or anything unexpected (a bug: the log has the
+  traceback).
 
 Every message says what was wrong, what was expected and what to do, and is printed as it is.
 """
@@ -22,3 +24,7 @@ class UserError(ValueError):
 
 class SwarmUnreachableError(RuntimeError):
     """No initial peer answered, so this peer could not join the swarm (exit code 3)."""
+
+
+class OperatorError(RuntimeError):
+    """Something outside this command failed (storage, network); the message says what to check (exit 1)."""

@@ -129,3 +129,17 @@ def test_peer_addresses_are_checked_before_anything_dials_them(address, problem)
 ])
 def test_real_peer_addresses_pass(address):
     assert validate_config({"swarm": {"initial_peers": [address]}}).swarm.initial_peers == [address]
+
+
+def test_checkpoints_record_the_config_without_the_mirrors_credentials():
+    config = validate_config({"coordinator": {"mirror_url": "s3://bucket/run",
+                                              "mirror_options": {"key": "AKIAEXAMPLE", "secret": "s3cr3t-value"}}})
+    shared = config.shareable_yaml()
+    assert "s3cr3t-value" not in shared and "AKIAEXAMPLE" not in shared
+    assert "<redacted>" in shared and "s3://bucket/run" in shared
+    assert "s3cr3t-value" in config.to_yaml()  # the resolved config beside a run keeps what the user wrote
+
+
+def test_a_mirror_needs_a_coordinator_that_holds_state():
+    with pytest.raises(ConfigError, match="holds no state"):
+        validate_config({"coordinator": {"mirror_url": "s3://bucket/run", "hold_state": False}})
