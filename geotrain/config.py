@@ -260,6 +260,16 @@ class OptimizerConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_offload(self) -> "OptimizerConfig":
+        if self.delayed_parameter_updates and not self.offload_optimizer:
+            raise ValueError("optimizer.delayed_parameter_updates needs optimizer.offload_optimizer: the delayed "
+                             "step runs on the offloaded copy in the background")
+        if self.min_learning_rate > self.learning_rate:
+            raise ValueError(f"optimizer.min_learning_rate ({self.min_learning_rate}) is above "
+                             f"optimizer.learning_rate ({self.learning_rate}); expected a decay, not a rise")
+        return self
+
+    @model_validator(mode="after")
     def _check_batch_sizes(self) -> "OptimizerConfig":
         if self.target_batch_size < self.batch_size_per_step:
             raise ValueError(

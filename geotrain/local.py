@@ -182,6 +182,12 @@ def _weighted_loss(epochs: list[dict]) -> float:
     return sum(e["loss"] * e["samples"] for e in epochs) / samples if samples else math.nan
 
 
+def _one_or_list(values: list):
+    """The value every peer reported, or the list of them when they differ (None: nobody reported)."""
+    distinct = sorted({value for value in values if value is not None})
+    return distinct[0] if len(distinct) == 1 else (distinct or None)
+
+
 def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path) -> dict:
     """The run's summary (also the JSON that ``--json`` writes and ``geotrain profile`` reads)."""
     peers, epoch_events, starts, ends = [], [], [], []
@@ -209,6 +215,11 @@ def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path
             "params_sha256": (finished or {}).get("params_sha256"),
             "compute_s": (finished or {}).get("compute_s", sum(e["compute_s"] for e in epochs)),
             "comm_s": (finished or {}).get("comm_s", sum(e["comm_s"] for e in epochs)),
+            "data_s": (finished or {}).get("data_s", sum(e.get("data_s", 0.0) for e in epochs)),
+            "device": (joined or {}).get("device"),
+            "precision": (joined or {}).get("precision"),
+            "peak_gpu_memory_bytes": max((e["peak_gpu_memory_bytes"] for e in epochs
+                                          if e.get("peak_gpu_memory_bytes") is not None), default=None),
             "state_loads": sum(1 for e in events if e["event"] == "state_loaded"),
         })
     samples_total = sum(p["samples"] for p in peers)
@@ -223,7 +234,11 @@ def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path
         "task": config.task.name,
         "preset": config.task.preset,
         "parameters": parameters,
-        "device": "cpu",
+        "device": _one_or_list([p["device"] for p in peers]),
+        "precision": _one_or_list([p["precision"] for p in peers]),
+        "data_s": sum(p["data_s"] for p in peers),
+        "peak_gpu_memory_bytes": max((p["peak_gpu_memory_bytes"] for p in peers
+                                      if p["peak_gpu_memory_bytes"] is not None), default=None),
         "grad_compression": config.optimizer.grad_compression,
         "network_profile": config.optimizer.network_profile,
         "target_batch_size": config.optimizer.target_batch_size,
@@ -261,5 +276,8 @@ def format_summary(summary: dict) -> str:
         f"{summary['swarm_samples_per_second']:.1f} samples/s; loss {summary['loss_first']:.4f} -> "
         f"{summary['loss_last']:.4f}; granularity {granularity:.2f}" if granularity is not None else
         f"swarm: {summary['epochs_completed']} epochs, {summary['samples_total']} samples")
+    peak = summary.get("peak_gpu_memory_bytes")
+    lines.append(f"computed on {summary.get('device') or '?'} in {summary.get('precision') or '?'}; waiting for data "
+                 f"{summary.get('data_s', 0.0):.1f} s in all" + (f"; peak GPU memory {peak / 2**30:.2f} GiB" if peak else ""))
     lines.append("parameters identical on every peer: " + ("yes" if summary["params_identical"] else "NO"))
     return "\n".join(lines)

@@ -33,6 +33,7 @@ from threading import Event
 
 import torch
 
+from geotrain.compute import Compute, resolve_compute
 from geotrain.config import GeotrainConfig
 from geotrain.events import EventLog
 from geotrain.hive.dht import start_dht, visible_addresses
@@ -40,7 +41,7 @@ from geotrain.hive.finalize import agree_on_final_state
 from geotrain.hive.keys import announce_trainer, announced_trainers, best_donor_epoch, read_progress
 from geotrain.hive.leave import leave_swarm
 from geotrain.hive.optimizer import build_hivemind_optimizer
-from geotrain.hive.state import parameters_sha256
+from geotrain.hive.state import current_learning_rate, parameters_sha256
 from geotrain.lifecycle import Stopper
 from geotrain.preemption import EXIT_PREEMPTED, start_watcher
 from geotrain.tasks import build_task
@@ -63,6 +64,7 @@ class EpochTotals:
     compute_s: float = 0.0
     comm_s: float = 0.0
     data_s: float = 0.0
+    overflows: int = 0  # fp16 micro-batches skipped because their gradients overflowed
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -80,6 +82,7 @@ class EpochTotals:
         self.compute_s += other.compute_s
         self.comm_s += other.comm_s
         self.data_s += other.data_s
+        self.overflows += other.overflows
 
 
 @dataclass
@@ -105,8 +108,9 @@ class Trainer:
         config = self.config
         if config.training.threads is not None:
             torch.set_num_threads(config.training.threads)
+        compute = resolve_compute(config.training)  # a GPU this machine lacks: exit 2 before anything starts
         task = build_task(config.task)
-        model = task.build_model()
+        model = task.build_model().to(compute.device)
         data_seed = config.training.data_seed
         if data_seed is None:
             data_seed = secrets.randbits(32)  # peers read their data in orders of their own
@@ -114,22 +118,26 @@ class Trainer:
         first_batch = next(batches)  # a missing or unreadable data source fails here, before joining
         self.events = EventLog(config.training.events_path)
         try:
-            return self._join_and_train(stopper, task, model, itertools.chain([first_batch], batches), data_seed)
+            return self._join_and_train(stopper, task, model, compute, itertools.chain([first_batch], batches),
+                                        data_seed)
         finally:
             self.events.close()
 
-    def _join_and_train(self, stopper: Stopper, task, model, batches, data_seed: int) -> TrainerResult:
+    def _join_and_train(self, stopper: Stopper, task, model, compute: Compute, batches,
+                        data_seed: int) -> TrainerResult:
         config = self.config
         stop = stopper.stop
         metrics_port = self.metrics.serve(config.metrics)
         watcher = start_watcher(config.preemption, lambda notice: self._on_notice(notice, stopper))
         dht = start_dht(config.swarm)
         peer_id = str(dht.peer_id)
-        logger.info("joined swarm %r as %s (listening on %s); data order seed %d", config.swarm.run_id, peer_id,
-                    ", ".join(visible_addresses(dht)) or "client mode", data_seed)
+        logger.info("joined swarm %r as %s (listening on %s); training on %s; data order seed %d",
+                    config.swarm.run_id, peer_id, ", ".join(visible_addresses(dht)) or "client mode",
+                    compute.describe(), data_seed)
         parameters = sum(p.numel() for p in model.parameters())
+        self.metrics.set_compute(str(compute.device), compute.precision)
         self.events.write("joined", peer_id=peer_id, metrics_port=metrics_port, parameters=parameters,
-                          data_seed=data_seed)
+                          data_seed=data_seed, device=str(compute.device), precision=compute.precision)
 
         optimizer = build_hivemind_optimizer(config, dht, model, on_averaging_round=self.metrics.averaging_round)
         stopper.reclaim_signals()  # hivemind's averagers set SIGINT to SIG_IGN in this process
@@ -145,7 +153,7 @@ class Trainer:
                 logger.info("waiting for %d trainers to join", config.training.wait_for_peers)
             self._wait_for_peers(dht, stop, announced_trainers, "joined")
             self._load_state_if_behind(optimizer, dht, model, peer_id)
-            totals = self._train(task, model, batches, optimizer, stop, peer_id, dht)
+            totals = self._train(task, model, compute, batches, optimizer, stop, peer_id, dht)
             if not stop.is_set() and config.training.max_epochs is not None:
                 _, agreed = agree_on_final_state(dht, optimizer, model, config.swarm.run_id, optimizer.local_epoch,
                                                  config.swarm.client_mode, config.training.final_agreement_timeout_s)
@@ -160,8 +168,9 @@ class Trainer:
         result = TrainerResult(peer_id, optimizer.local_epoch, totals, params_sha256, stop.is_set())
         since_stop_s = stopper.seconds_since_request()
         self.events.write("finished", peer_id=peer_id, epoch=result.epoch, samples=totals.samples,
-                          compute_s=totals.compute_s, comm_s=totals.comm_s, params_sha256=params_sha256,
-                          final_state_agreed=agreed, stopped_by_request=result.stopped_by_request,
+                          compute_s=totals.compute_s, comm_s=totals.comm_s, data_s=totals.data_s,
+                          fp16_overflows=totals.overflows, device=str(compute.device), precision=compute.precision,
+                          params_sha256=params_sha256, final_state_agreed=agreed, stopped_by_request=result.stopped_by_request,
                           sent_bytes_by_region=self.reporter.sent_bytes_by_region,
                           received_bytes=self.reporter.received_bytes_total,
                           stop_reason=stopper.reason, seconds_since_stop_request=since_stop_s)
@@ -240,7 +249,8 @@ class Trainer:
             logger.info("loaded the state of epoch %d in %.1f s; continuing at epoch %d, the newest epoch in the "
                         "swarm's progress records", state_epoch, elapsed_s, optimizer.local_epoch)
 
-    def _train(self, task, model, batches, optimizer, stop: Event, peer_id: str, dht) -> EpochTotals:
+    def _train(self, task, model, compute: Compute, batches, optimizer, stop: Event, peer_id: str,
+               dht) -> EpochTotals:
         config = self.config
         max_epochs = config.training.max_epochs
         batch_size = config.optimizer.batch_size_per_step
@@ -251,19 +261,28 @@ class Trainer:
         epoch_totals = EpochTotals()
         self.progress.epoch = epoch
         self.events.write("training", peer_id=peer_id, epoch=epoch)
+        compute.start_memory_window()
         while not stop.is_set() and (max_epochs is None or epoch < max_epochs):
             data_started = time.perf_counter()
             batch = next(batches)
             compute_started = time.perf_counter()
-            loss = task.loss(model, batch)
-            loss.backward()
+            with compute.autocast():
+                loss = task.loss(model, batch)
+            compute.scaled(loss).backward()
+            finite = compute.unscale_gradients(model)
+            loss_value = float(loss.detach())  # waits for the GPU: compute time is compute time
             comm_started = time.perf_counter()
+            if not finite:  # fp16 overflow: this micro-batch adds nothing to the swarm's gradients
+                epoch_totals.overflows += 1
+                epoch_totals.data_s += compute_started - data_started
+                epoch_totals.compute_s += comm_started - compute_started
+                continue
             optimizer.step()
             optimizer.zero_grad()
             finished = time.perf_counter()
 
             epoch_totals.samples += batch_size
-            epoch_totals.loss_sum += float(loss.detach())
+            epoch_totals.loss_sum += loss_value
             epoch_totals.steps += 1
             epoch_totals.data_s += compute_started - data_started
             epoch_totals.compute_s += comm_started - compute_started
@@ -274,26 +293,36 @@ class Trainer:
                 self._wait_for_peers(dht, stop, read_progress, "reported progress")
 
             if optimizer.local_epoch != epoch:
-                self._finish_epoch(optimizer, epoch_totals, peer_id)
+                self._finish_epoch(optimizer, compute, epoch_totals, peer_id)
                 run_totals.add(epoch_totals)
                 epoch = optimizer.local_epoch
                 epoch_totals = EpochTotals()
+                compute.start_memory_window()
         run_totals.add(epoch_totals)
         return run_totals
 
-    def _finish_epoch(self, optimizer, totals: EpochTotals, peer_id: str) -> None:
+    def _finish_epoch(self, optimizer, compute: Compute, totals: EpochTotals, peer_id: str) -> None:
         wall_s = time.perf_counter() - totals.started
         samples_per_second = totals.samples / wall_s if wall_s > 0 else 0.0
         peers = optimizer.tracker.global_progress.num_peers
         epoch = optimizer.local_epoch
+        peak_memory_bytes = compute.peak_memory_bytes()
+        learning_rate = current_learning_rate(optimizer)
+        memory = f", peak GPU memory {peak_memory_bytes / 2**30:.2f} GiB" if peak_memory_bytes is not None else ""
+        overflows = f", {totals.overflows} fp16 overflows skipped" if totals.overflows else ""
         logger.info("epoch %d: %.1f samples/s, loss %.4f, %d peers, granularity %.2f "
-                    "(compute %.1f s, communication %.1f s)", epoch, samples_per_second, totals.loss, peers,
-                    totals.granularity, totals.compute_s, totals.comm_s)
+                    "(compute %.1f s, communication %.1f s, waiting for data %.1f s%s%s), learning rate %.3g",
+                    epoch, samples_per_second, totals.loss, peers, totals.granularity, totals.compute_s,
+                    totals.comm_s, totals.data_s, memory, overflows, learning_rate)
         self.events.write("epoch", peer_id=peer_id, epoch=epoch, samples=totals.samples, wall_s=wall_s,
                           samples_per_second=samples_per_second, loss=totals.loss, peers=peers,
                           compute_s=totals.compute_s, comm_s=totals.comm_s, data_s=totals.data_s,
-                          granularity=None if math.isinf(totals.granularity) else totals.granularity)
+                          granularity=None if math.isinf(totals.granularity) else totals.granularity,
+                          peak_gpu_memory_bytes=peak_memory_bytes, fp16_overflows=totals.overflows,
+                          learning_rate=learning_rate)
         m = self.metrics
+        m.data_seconds.inc(totals.data_s)
+        m.set_optional(m.peak_gpu_memory, peak_memory_bytes)
         m.compute_seconds.inc(totals.compute_s)
         m.communication_seconds.inc(totals.comm_s)
         m.samples_per_second.set(samples_per_second)

@@ -17,17 +17,46 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from timm.optim import Lamb
 
 from geotrain.config import GeotrainConfig
+from geotrain.schedule import schedule_of
+
+
+OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "lamb": Lamb}
+
+
+def with_gradient_clipping(optimizer_class: type, max_norm: float) -> type:
+    """``optimizer_class`` whose step first clips the gradients it applies to a global L2 norm of ``max_norm``.
+
+    hivemind runs the torch optimizer on the *averaged* gradients (in its state averager), so clipping
+    inside the optimizer's step clips what the swarm agreed on, the same on every peer.
+    """
+
+    class Clipped(optimizer_class):
+        def step(self, closure=None):
+            gradients = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(gradients, max_norm)
+            return super().step(closure)
+
+    Clipped.__name__ = Clipped.__qualname__ = f"Clipped{optimizer_class.__name__}"
+    return Clipped
 
 
 def build_torch_optimizer_factory(config: GeotrainConfig):
     opt = config.optimizer
+    optimizer_class = OPTIMIZER_CLASSES[opt.optimizer]
+    if opt.grad_clip_norm is not None:
+        optimizer_class = with_gradient_clipping(optimizer_class, opt.grad_clip_norm)
+    options = {"lr": opt.learning_rate, "weight_decay": opt.weight_decay}
     if opt.optimizer == "sgd":
-        return partial(torch.optim.SGD, lr=opt.learning_rate, momentum=0.9, weight_decay=opt.weight_decay)
-    if opt.optimizer == "adam":
-        return partial(torch.optim.Adam, lr=opt.learning_rate, weight_decay=opt.weight_decay)
-    if opt.optimizer == "adamw":
-        return partial(torch.optim.AdamW, lr=opt.learning_rate, weight_decay=opt.weight_decay)
-    return partial(Lamb, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+        options["momentum"] = 0.9
+    return partial(optimizer_class, **options)
+
+
+def build_scheduler_factory(config: GeotrainConfig):
+    """LambdaLR by the swarm's epoch (hivemind steps it with the epoch; see geotrain.schedule); None: constant."""
+    opt = config.optimizer
+    if opt.lr_schedule == "constant" and opt.warmup_epochs == 0:
+        return None
+    return partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=schedule_of(config))
 
 
 def build_compression(name: str):
@@ -99,6 +128,10 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         batch_size_per_step=opt.batch_size_per_step,
         optimizer=build_torch_optimizer_factory(config),
         params=model.parameters(),
+        scheduler=build_scheduler_factory(config),
+        # an fp32 copy of the parameters and the optimizer state in host (shared) memory: the GPU holds only
+        # the model and its gradients; needed for delayed updates, which step in the background
+        offload_optimizer=opt.offload_optimizer,
         matchmaking_time=opt.matchmaking_time_s,
         averaging_timeout=opt.averaging_timeout_s,
         load_state_timeout=opt.load_state_timeout_s,

@@ -25,11 +25,14 @@ def optimizer_parameters(optimizer) -> list[torch.Tensor]:
 
 
 def capture_state(optimizer, model: torch.nn.Module) -> dict:
-    """Parameters, buffers, optimizer statistics and the epoch, as plain tensors on the CPU."""
+    """Parameters, buffers, optimizer statistics (with the learning rate) and the epoch, on the CPU.
+
+    A state captured on a GPU restores on a machine without one (the coordinator) and the reverse.
+    """
     return {
         "epoch": optimizer.local_epoch,
         "model": {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()},
-        "optimizer": optimizer.state_averager.optimizer.state_dict(),
+        "optimizer": _to_cpu(optimizer.state_averager.optimizer.state_dict()),
     }
 
 
@@ -41,3 +44,19 @@ def restore_state(optimizer, model: torch.nn.Module, state: dict) -> None:
                 optimizer_param.copy_(model_param)
     optimizer.state_averager.optimizer.load_state_dict(state["optimizer"])
     optimizer.state_averager.local_epoch = state["epoch"]
+    # the learning rate is the schedule's at this epoch, as hivemind sets it after a state download
+    optimizer.state_averager._update_scheduler()
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
+
+
+def current_learning_rate(optimizer) -> float:
+    return float(optimizer.state_averager.optimizer.param_groups[0]["lr"])

@@ -115,6 +115,17 @@ class PeerMetrics(_Metrics):
                                   "region (the kernel's TCP counters)", ("destination_region",))
         self.received_bytes = counter("geotrain_received_bytes",
                                       "Bytes this peer's swarm connections received (the kernel's TCP counters)")
+        self.data_seconds = counter("geotrain_data_seconds",
+                                    "Seconds the training loop waited for its next batch (a starved GPU shows here)")
+        self.peak_gpu_memory = gauge("geotrain_peak_gpu_memory_bytes",
+                                     "Peak GPU memory this peer's tensors took during its last epoch (absent on CPU)",
+                                     optional=True)
+        self.compute_info = gauge("geotrain_compute_info", "1, labelled with where and how this peer computes",
+                                  ("device", "precision"))
+
+    def set_compute(self, device: str, precision: str) -> None:
+        """Which device and precision this peer trains with (one series, value 1)."""
+        self.set_series(self.compute_info, ("device", "precision"), {(device, precision): 1.0})
 
     def averaging_round(self, result: str, duration_s: float) -> None:
         self.labelled(self.averaging_rounds, result=result).inc()

@@ -8,20 +8,26 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from geotrain.checkpoint import CheckpointStore
-from geotrain.config import TaskConfig
+from geotrain.config import TaskConfig, validate_config
 from geotrain.events import read_events
 from geotrain.tasks import build_task
 from geotrain.hive.state import parameters_sha256
+from geotrain.schedule import learning_rate_at
 from swarm_helpers import FAST_SWARM, last_epoch, wait_for
 
 CRASH_EXIT_CODE = 86  # geotrain.checkpoint's injected crash between write and rename
+# a learning rate that changes every epoch: a swarm restored from a checkpoint must use the schedule's
+SCHEDULE = ["--lr-schedule", "linear", "--schedule-epochs", "60", "--lr", "0.002"]
+SCHEDULED_SWARM = [*FAST_SWARM, *SCHEDULE]
 
 
 def start_coordinator(swarm, name: str, port: int | None = None, crash: bool = False) -> subprocess.Popen:
     peers_file = swarm.directory / f"{name}-peers.txt"
     command = [sys.executable, "-m", "geotrain", "coordinator", "--state-dir", str(swarm.directory / "coord"),
-               "--initial-peers-file", str(peers_file), "--port", str(port or 0), *FAST_SWARM,
+               "--initial-peers-file", str(peers_file), "--port", str(port or 0), *SCHEDULED_SWARM,
                "--network-profile", "loopback", "--checkpoint-every-epochs", "2"]
     environment = dict(os.environ, GEOTRAIN_CRASH_BEFORE_RENAME="1" if crash else "")
     with open(swarm.directory / f"{name}.log", "w") as log:
@@ -44,8 +50,8 @@ def test_checkpoints_survive_a_crash_and_a_swarm_that_lost_every_trainer(swarm):
     store_dir = swarm.directory / "coord" / "checkpoints"
     coordinator = start_coordinator(swarm, "coordinator-1")
     port = int(swarm.initial_peers[0].split("/tcp/")[1].split("/")[0])
-    first, first_events = swarm.start_trainer("a", *FAST_SWARM, "--wait-for-peers", "2", "--data-seed", "1")
-    second, _ = swarm.start_trainer("b", *FAST_SWARM, "--wait-for-peers", "2", "--data-seed", "2")
+    first, first_events = swarm.start_trainer("a", *SCHEDULED_SWARM, "--wait-for-peers", "2", "--data-seed", "1")
+    second, _ = swarm.start_trainer("b", *SCHEDULED_SWARM, "--wait-for-peers", "2", "--data-seed", "2")
     wait_for(lambda: CheckpointStore(store_dir).list(), 180, "the first checkpoint")
     first_checkpoint = CheckpointStore(store_dir).list()[0]
 
@@ -73,7 +79,7 @@ def test_checkpoints_survive_a_crash_and_a_swarm_that_lost_every_trainer(swarm):
     epoch, expected_sha256 = checkpoint_parameters_sha256(CheckpointStore(store_dir))
 
     # Two new trainers continue from the coordinator's state.
-    newcomers = [swarm.start_trainer(name, *FAST_SWARM, "--wait-for-peers", "2", "--data-seed", seed)
+    newcomers = [swarm.start_trainer(name, *SCHEDULED_SWARM, "--wait-for-peers", "2", "--data-seed", seed)
                  for name, seed in (("c", "3"), ("d", "4"))]
     for name, events in zip("cd", (events for _, events in newcomers)):
         loaded = wait_for(lambda: [e for e in read_events(events) if e["event"] == "state_loaded"], 120,
@@ -85,6 +91,10 @@ def test_checkpoints_survive_a_crash_and_a_swarm_that_lost_every_trainer(swarm):
         assert loaded["epoch"] >= epoch
     wait_for(lambda: all(last_epoch(events) > epoch for _, events in newcomers), 120,
              "the new trainers to train past the checkpoint")
+    schedule = validate_config({"optimizer": {"lr_schedule": "linear", "schedule_epochs": 60, "learning_rate": 0.002}})
+    for _, events in newcomers:
+        for event in epoch_events(events):
+            assert event["learning_rate"] == pytest.approx(learning_rate_at(schedule, event["epoch"])), event
     # The lost trainers' progress records expire (optimizer.progress_expiration_s): the newcomers stop
     # counting them as peers, and so stop waiting for them in matchmaking.
     wait_for(lambda: all(epoch_events(events) and epoch_events(events)[-1]["peers"] == 2 for _, events in newcomers),
@@ -112,7 +122,6 @@ def checkpoint_files(state_dir) -> dict[str, bytes]:
 
 
 def test_a_checkpoint_of_another_config_is_refused_and_kept(tmp_path):
-    from geotrain.config import validate_config
     from swarm_helpers import geotrain
 
     cv_run = validate_config({"swarm": {"run_id": "imagenet"}, "task": {"name": "cv", "preset": "tiny"}})

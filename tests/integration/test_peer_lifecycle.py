@@ -5,6 +5,8 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
+
 from geotrain.events import read_events
 from geotrain.processes import descendants
 from swarm_helpers import FAST_SWARM, alive, last_epoch, wait_for
@@ -18,7 +20,9 @@ def _finished(events_path):
 
 def test_a_trainer_that_joins_after_epoch_two_loads_state_and_ends_equal(swarm):
     swarm.start_coordinator()
-    common = [*FAST_SWARM, "--target-batch-size", "4096", "--max-epochs", "10"]
+    # a learning rate that changes every epoch: the late trainer must use the swarm's, not one of its own
+    common = [*FAST_SWARM, "--target-batch-size", "4096", "--max-epochs", "10", "--lr-schedule", "linear",
+              "--warmup-epochs", "1"]
     first, first_events = swarm.start_trainer("a", *common, "--wait-for-peers", "2", "--data-seed", "1")
     second, second_events = swarm.start_trainer("b", *common, "--wait-for-peers", "2", "--data-seed", "2")
     wait_for(lambda: last_epoch(first_events) >= 2, 180, "the swarm to reach epoch 2")
@@ -34,6 +38,11 @@ def test_a_trainer_that_joins_after_epoch_two_loads_state_and_ends_equal(swarm):
     assert late_joined and late_joined[0]["epoch"] >= 2, "the late trainer did not load the swarm's state"
     hashes = {r["params_sha256"] for r in results.values()}
     assert len(hashes) == 1, f"parameters differ: {results}"
+    swarm_rates = {e["epoch"]: e["learning_rate"] for e in read_events(first_events) if e["event"] == "epoch"}
+    late_rates = {e["epoch"]: e["learning_rate"] for e in read_events(late_events) if e["event"] == "epoch"}
+    assert late_rates and len(set(swarm_rates.values())) > 3
+    for epoch, rate in late_rates.items():
+        assert rate == pytest.approx(swarm_rates[epoch]), (epoch, late_rates, swarm_rates)
 
 
 def children_with_p2pd(pid: int) -> list[int]:
