@@ -28,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from geotrain.errors import UserError
+from geotrain.tasks.presets import PRESET_NAMES
 
 TaskName = Literal["cv", "nlp", "asr", "emulated"]
 NetworkProfileName = Literal["loopback", "lan", "continent", "intercontinental"]
@@ -318,8 +319,6 @@ class TaskConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_preset(self) -> "TaskConfig":
-        from geotrain.tasks.presets import PRESET_NAMES
-
         known = PRESET_NAMES[self.name]
         if self.preset not in known:
             raise ValueError(f"task.preset: unknown preset {self.preset!r} for task {self.name!r}; "

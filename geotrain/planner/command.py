@@ -19,9 +19,15 @@ import argparse
 import sys
 
 from geotrain.planner.errors import PlannerError
+from geotrain.planner.model import DEFAULT_SPOT_INTERRUPTION_RATE, Settings
+from geotrain.planner.network import load_network
+from geotrain.planner.problem import DEFAULT_MAX_PEERS, DEFAULT_SOLVER_TIME_LIMIT_S, OBJECTIVES, Inputs, Request
+from geotrain.planner.profiles import load_profile, profile_from_run, save_profile
+from geotrain.planner.report import format_table, plan_json, plot_frontier, why_best, write_json
+from geotrain.planner.solve import plan
+from geotrain.pricing.catalog import load_catalog
+from geotrain.pricing.egress import load_egress
 from geotrain.pricing.errors import InputFileError
-from geotrain.planner.model import DEFAULT_SPOT_INTERRUPTION_RATE
-from geotrain.planner.problem import DEFAULT_MAX_PEERS, DEFAULT_SOLVER_TIME_LIMIT_S, OBJECTIVES
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,15 +110,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from geotrain.pricing.catalog import load_catalog
-    from geotrain.pricing.egress import load_egress
-    from geotrain.planner.model import Settings
-    from geotrain.planner.network import load_network
-    from geotrain.planner.profiles import load_profile
-    from geotrain.planner.report import format_table, plan_json, plot_frontier, why_best, write_json
-    from geotrain.planner.problem import Inputs, Request
-    from geotrain.planner.solve import plan
-
     _check_positive("--budget-usd-per-hour", args.budget_usd_per_hour)
     _check_positive("--min-samples-per-second", args.min_samples_per_second)
     _check_positive("--train-samples", args.train_samples)
@@ -183,8 +180,6 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from geotrain.planner.profiles import profile_from_run, save_profile
-
     try:
         profile = profile_from_run(args.from_run, args.name, args.device_type)
         path = save_profile(profile, args.profiles_dir)

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from geotrain.config import OptimizerConfig
 from geotrain.pricing.catalog import DATA_DIR
 from geotrain.planner.errors import PlannerError
 
@@ -237,8 +238,6 @@ def profile_from_run(summary_path: Path, name: str, device_type: str | None = No
         overhead = DEFAULT_ROUND_OVERHEAD_S
         sources["round_overhead_s"] = ("default (the run finished fewer than one averaging round; "
                                        "[EMJ24] CV A-8 calibration)")
-    from geotrain.config import OptimizerConfig  # geotrain's own default, read where it is defined
-
     state_every = OptimizerConfig.model_fields["average_state_every"].default
     sources["state_averaging_every_epochs"] = "geotrain's optimizer.average_state_every default"
     return ModelProfile(
