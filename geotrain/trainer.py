@@ -114,14 +114,21 @@ class Trainer:
         data_seed = config.training.data_seed
         if data_seed is None:
             data_seed = secrets.randbits(32)  # peers read their data in orders of their own
-        batches = task.build_data(config.optimizer.batch_size_per_step, data_seed)
-        first_batch = next(batches)  # a missing or unreadable data source fails here, before joining
-        self.events = EventLog(config.training.events_path)
+        # Worker processes read and decode the data; they fork here, before hivemind starts its threads, and
+        # a missing or unreadable data source fails with the first batch, before this peer joins the swarm.
+        loader = task.build_loader(config.optimizer.batch_size_per_step, data_seed,
+                                   workers=config.training.data_workers, pin_memory=compute.pin_memory,
+                                   part=config.task.data.part_index_and_count())
         try:
-            return self._join_and_train(stopper, task, model, compute, itertools.chain([first_batch], batches),
-                                        data_seed)
+            first_batch = next(loader)
+            self.events = EventLog(config.training.events_path)
+            try:
+                return self._join_and_train(stopper, task, model, compute, itertools.chain([first_batch], loader),
+                                            data_seed)
+            finally:
+                self.events.close()
         finally:
-            self.events.close()
+            loader.close()
 
     def _join_and_train(self, stopper: Stopper, task, model, compute: Compute, batches,
                         data_seed: int) -> TrainerResult:

@@ -4,12 +4,15 @@ A task bundles a model architecture (its preset), a data pipeline and a loss::
 
     task = build_task(config.task)                        # geotrain.tasks.build_task
     model = task.build_model()                            # same weights on every peer for one task.seed
-    batches = task.build_data(batch_size=32, data_seed=peer_data_seed)
+    batches = task.build_loader(batch_size=32, data_seed=peer_data_seed, workers=2, pin_memory=True)
     loss = task.loss(model, next(batches))                # scalar mean loss of the batch
     loss.backward()
+    batches.close()                                       # stops the loader's worker processes
 
 Batches are dicts of CPU tensors; :meth:`Task.loss` moves them to the model's device, so the trainer
-never needs to know which keys a domain uses.
+never needs to know which keys a domain uses. ``build_loader`` reads, decodes and collates batches in
+DataLoader worker processes; ``build_data`` does the same work in the calling process, for tests and
+simple loops. Both come from the task's :meth:`Task.batch_stream`.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from geotrain.tasks.data import Batch, BatchLoader, BatchStream
+
 if TYPE_CHECKING:
     from geotrain.config import TaskConfig
 
-Batch = dict[str, torch.Tensor]
+__all__ = ["Batch", "Task", "check_part", "to_model_device"]
 
 
 class Task(abc.ABC):
@@ -61,12 +66,35 @@ class Task(abc.ABC):
     def _create_model(self) -> torch.nn.Module:
         """Build the preset's architecture on the current default device with the current RNG."""
 
-    @abc.abstractmethod
     def build_data(self, batch_size: int, data_seed: int) -> Iterator[Batch]:
-        """Endless iterator of batches of exactly ``batch_size`` samples.
+        """Endless iterator of batches of exactly ``batch_size`` samples, made in the calling process.
 
         A real source cycles over its files, in an order shuffled by ``data_seed``; synthetic data is
         drawn from one fixed distribution, ``data_seed`` choosing only which samples this peer sees.
+        A missing or malformed source raises :class:`~geotrain.tasks.data.DataSourceError` here or at
+        the first batch.
+        """
+        _check_batch_size(batch_size)
+        return iter(self.batch_stream(batch_size, data_seed))
+
+    def build_loader(self, batch_size: int, data_seed: int, workers: int, pin_memory: bool,
+                     part: tuple[int, int] = (0, 1)) -> BatchLoader:
+        """Endless batches like :meth:`build_data`'s, read, decoded and collated by a torch DataLoader.
+
+        ``workers`` worker processes (0: in the calling process) each make whole batches from their own
+        share of the data (see ``geotrain/tasks/data.py``); ``pin_memory`` returns them in page-locked
+        memory. ``part`` = (I, N) reads only the I-th of N disjoint parts of WebDataset shards
+        (``task.data.part``). Call ``close()`` on the result to stop its workers.
+        """
+        _check_batch_size(batch_size)
+        return BatchLoader(self.batch_stream(batch_size, data_seed, part), workers=workers, pin_memory=pin_memory,
+                           data_seed=data_seed)
+
+    @abc.abstractmethod
+    def batch_stream(self, batch_size: int, data_seed: int, part: tuple[int, int] = (0, 1)) -> BatchStream:
+        """The task's batches as a torch ``IterableDataset``; the source is checked (listed) now.
+
+        Each DataLoader worker that iterates it makes whole batches of its own share of the data.
         """
 
     @abc.abstractmethod
@@ -78,3 +106,17 @@ def to_model_device(model: torch.nn.Module, batch: Batch) -> Batch:
     """The batch on the device of the model's parameters (a no-op when it is already there)."""
     device = next(model.parameters()).device
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+
+
+def check_part(part: tuple[int, int], source: str) -> None:
+    """``part`` (I, N) selects WebDataset shards; other sources have no parts to choose from."""
+    index, count = part
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"part must be (I, N) with 0 <= I < N, got {part}")
+    if count > 1 and source != "webdataset":
+        raise ValueError(f"part {index}/{count}: only WebDataset shards are split into parts, not {source} data")

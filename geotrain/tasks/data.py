@@ -36,6 +36,14 @@ or audio. ``task.data.source`` selects one of three sources:
 
 A user's mistake (missing folder, empty folder, missing transcript, unreadable shard, unknown URL
 scheme) raises :class:`DataSourceError`, naming the path and what was expected.
+
+Worker processes: a task's :meth:`~geotrain.tasks.base.Task.batch_stream` is a :class:`BatchStream`, an
+``IterableDataset`` that reads, decodes, augments and collates whole batches where it is iterated: in the
+calling process (``build_data``) or in each worker of a :class:`BatchLoader` (``build_loader``), a
+``torch.utils.data.DataLoader`` with ``batch_size=None``. Each worker reads its own share: synthetic data a
+stream seeded by ``data_seed`` and the worker's number; folders every ``workers``-th file of each pass's
+shuffled order (:func:`worker_passes`); shards every ``workers``-th shard of the pass (:class:`ShardStream`).
+A :class:`DataSourceError` raised in a worker reaches the caller as one, with its own message.
 """
 
 from __future__ import annotations
@@ -46,9 +54,10 @@ import itertools
 import logging
 import random
 import re
+import signal
 import tarfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch.utils.data
 import webdataset as wds
@@ -56,7 +65,9 @@ from braceexpand import UnbalancedBracesError, braceexpand  # webdataset's own b
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from geotrain.errors import UserError
-from geotrain.tasks.base import Batch
+from geotrain.lifecycle import die_with_parent
+
+Batch = dict[str, torch.Tensor]  # what a task's loss takes: named tensors, one row per sample
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +76,8 @@ Sample = TypeVar("Sample")
 # Samples held back to mix the order within shards; a few hundred decoded samples fit any peer's memory.
 DEFAULT_SHUFFLE_BUFFER_SAMPLES = 256
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+# Batches each DataLoader worker keeps ready (torch's default); they wait in shared memory (/dev/shm).
+PREFETCH_BATCHES_PER_WORKER = 2
 
 
 class DataSourceError(UserError):
@@ -81,21 +94,43 @@ def derived_seed(data_seed: int, purpose: str) -> int:
     return random.Random(f"geotrain-{purpose}:{data_seed}").getrandbits(63)
 
 
-def cycle_passes(make_pass: Callable[[random.Random], Iterable[Sample]], data_seed: int,
-                 description: str) -> Iterator[Sample]:
-    """Endless samples: pass after pass over a source, each pass with its own shuffling stream."""
-    for epoch in itertools.count():
-        produced = False
-        for sample in make_pass(epoch_rng(data_seed, epoch)):
-            produced = True
-            yield sample
-        if not produced:  # without this check an unusable source would spin forever
-            raise DataSourceError(f"{description}: a full pass over it produced no samples")
+def worker_seed(data_seed: int, purpose: str, worker: int) -> int:
+    """:func:`derived_seed` of DataLoader worker ``worker``: each worker draws a stream of its own.
+
+    Worker 0 (and the calling process, which counts as worker 0 of 1) draws ``derived_seed``'s stream.
+    """
+    return derived_seed(data_seed, purpose if worker == 0 else f"{purpose}:worker{worker}")
 
 
 def shuffle_buffer(samples: Iterable[Sample], buffer_size: int, rng: random.Random) -> Iterator[Sample]:
     """Samples in a locally shuffled order, holding at most ``buffer_size`` of them (webdataset's shuffle)."""
     return wds.shuffle(buffer_size, initial=buffer_size, rng=rng)(iter(samples))
+
+
+def worker_share() -> tuple[int, int]:
+    """(this worker's number, number of workers) inside a DataLoader worker; (0, 1) anywhere else."""
+    info = torch.utils.data.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def worker_passes(items: Sequence[Sample], data_seed: int, worker: int, workers: int,
+                  description: str) -> Iterator[tuple[int, Sample]]:
+    """(pass number, item): this worker's share of ``items``, pass after pass, endlessly.
+
+    Every pass shuffles all of ``items`` by ``data_seed`` and the pass number (an order equal in every
+    worker) and worker ``w`` of ``workers`` takes its items ``w``, ``w + workers``, ... So within a pass
+    every item goes to one worker once. A worker left without an item (more workers than items) ends at
+    once, with a warning; the DataLoader goes on with the others.
+    """
+    if worker >= len(items):
+        logger.warning("%s: DataLoader worker %d of %d has none of its %d file(s) to read; use at most %d workers",
+                       description, worker, workers, len(items), len(items))
+        return
+    for epoch in itertools.count():
+        order = list(items)
+        epoch_rng(data_seed, epoch).shuffle(order)
+        for item in order[worker::workers]:
+            yield epoch, item
 
 
 def batches(samples: Iterator[Sample], batch_size: int, collate: Callable[[list[Sample]], Batch]) -> Iterator[Batch]:
@@ -300,6 +335,12 @@ class ShardStream(torch.utils.data.IterableDataset):
                 raise DataSourceError(f"webdataset shards {self.source!r}: a full pass over them produced no samples")
 
 
+def open_shards(path: str, data_seed: int, part: tuple[int, int] = (0, 1)) -> ShardStream:
+    """Part ``part`` = (I, N) of the shards at ``path`` (``task.data.part``), checked now, read when iterated."""
+    peer_index, peer_count = part
+    return ShardStream(resolve_shards(path), data_seed, peer_index=peer_index, peer_count=peer_count, source=path)
+
+
 def stream_shards(path: str, data_seed: int, shuffle_buffer_samples: int = DEFAULT_SHUFFLE_BUFFER_SAMPLES, *,
                   peer_index: int = 0, peer_count: int = 1) -> Iterator[dict[str, bytes | str]]:
     """Endless raw samples of the shards at ``path`` (this peer's share of them; see :class:`ShardStream`)."""
@@ -316,3 +357,111 @@ def require_field(sample: dict[str, bytes | str], extensions: tuple[str, ...], e
     present = sorted(name for name in sample if not name.startswith("__"))
     raise DataSourceError(f"webdataset shard {sample['__url__']!r}, sample {sample['__key__']!r}: no "
                           f"{'/'.join('.' + e for e in extensions)} member (it has {present}); expected {expected}")
+
+
+# ----------------------------------------------------------------------------------- batches and workers
+
+class _WorkerFailure:
+    """What a worker sends instead of a batch when its source fails with a user's mistake.
+
+    torch re-raises a worker's exception in the caller with the worker's traceback folded into the
+    message ("Caught DataSourceError in DataLoader worker process 0. Original Traceback ..."); a user
+    should see only what is wrong with the data, so the worker sends the message and the caller raises.
+    """
+
+    def __init__(self, error_type: type[UserError], message: str) -> None:
+        self.error_type, self.message = error_type, message
+
+
+class BatchStream(torch.utils.data.IterableDataset):
+    """Endless whole batches, read, decoded and collated wherever this is iterated.
+
+    ``make_batches(worker, workers)`` gives the batches of worker ``worker`` of ``workers`` (0 of 1 outside
+    a DataLoader worker); a task passes a bound method with its prepared source (file list, shard stream),
+    so the stream pickles when the task does. Iterated in the calling process, errors propagate as they
+    are; in a worker, a :class:`~geotrain.errors.UserError` such as :class:`DataSourceError` ends the
+    worker and travels to the caller as a message (see :class:`BatchLoader`).
+    """
+
+    def __init__(self, make_batches: Callable[[int, int], Iterator[Batch]], description: str) -> None:
+        super().__init__()
+        self.make_batches = make_batches
+        self.description = description
+
+    def __iter__(self) -> Iterator[Batch]:
+        worker, workers = worker_share()
+        if torch.utils.data.get_worker_info() is None:
+            yield from self.make_batches(worker, workers)
+            return
+        try:
+            yield from self.make_batches(worker, workers)
+        except UserError as error:
+            yield _WorkerFailure(type(error), str(error))  # type: ignore[misc]
+
+
+def init_worker(_worker_id: int) -> None:
+    """``worker_init_fn`` of every loader: Ctrl-C is the main process's to handle, and a worker dies with it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+
+
+class BatchLoader:
+    """Endless batches of a :class:`BatchStream` from a ``torch.utils.data.DataLoader``; ``close()`` stops it.
+
+    ``workers`` > 0: that many persistent worker processes (the platform's default start method, fork on
+    Linux), started here, each keeping :data:`PREFETCH_BATCHES_PER_WORKER` batches ready; batches arrive
+    from the workers in turn. 0: batches are made in the calling process when asked for. ``pin_memory``:
+    batches come in page-locked memory, for faster and asynchronous copies to a GPU. Worker seeds (Python,
+    NumPy and torch, which augmentations draw from) derive from ``data_seed``.
+    """
+
+    def __init__(self, stream: BatchStream, *, workers: int, pin_memory: bool, data_seed: int) -> None:
+        if workers < 0:
+            raise ValueError(f"workers must be at least 0, got {workers}")
+        options = {}
+        if workers > 0:
+            options = {"persistent_workers": True, "prefetch_factor": PREFETCH_BATCHES_PER_WORKER,
+                       "worker_init_fn": init_worker}
+        self.description = stream.description
+        self.workers = workers
+        self._loader: torch.utils.data.DataLoader | None = torch.utils.data.DataLoader(
+            stream, batch_size=None, num_workers=workers, pin_memory=pin_memory,
+            generator=torch.Generator().manual_seed(derived_seed(data_seed, "loader")), **options)
+        self._iterator = iter(self._loader)  # starts the workers now, so that they read ahead
+
+    def __iter__(self) -> "BatchLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._loader is None:
+            raise StopIteration
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self.close()
+            raise DataSourceError(f"{self.description}: every DataLoader worker stopped reading (the log says "
+                                  "why); expected batches without end") from None
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(batch, _WorkerFailure):
+            self.close()
+            raise batch.error_type(batch.message) from None
+        return batch
+
+    def close(self) -> None:
+        """Stop the workers (at once, not when the garbage collector finds the loader); idempotent."""
+        loader, iterator = self._loader, self._iterator
+        self._loader = self._iterator = None
+        if loader is None:
+            return
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's own clean stop of its workers
+        if shutdown is not None:
+            shutdown()
+        loader._iterator = None  # the loader keeps persistent workers' iterator
+
+    def __enter__(self) -> "BatchLoader":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()

@@ -18,11 +18,14 @@ Presets (``--preset``):
     geotrain peer --task emulated --preset convnext_large@T4/80 --batch-size 32 ...
 
 Batches are ``{"targets": float (B,)}``, noisy samples around 1.0; the loss is the mean squared
-distance of the parameters to the batch's mean target, so the loss falls as the swarm trains.
+distance of the parameters to the batch's mean target, so the loss falls as the swarm trains. They cost
+nothing to make, so :meth:`EmulatedTask.build_loader` makes them in the calling process whatever the number
+of workers: a lab of many emulated peers on one machine starts no worker processes.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -31,7 +34,7 @@ import torch
 
 from geotrain.config import ConfigError
 from geotrain.tasks import data
-from geotrain.tasks.base import Batch, Task
+from geotrain.tasks.base import Batch, Task, check_part
 from geotrain.tasks.presets import EmulatedPresets
 
 MAX_TENSOR_ELEMENTS = 1 << 20  # a real model is many tensors; hivemind splits and streams them the same way
@@ -101,8 +104,17 @@ class EmulatedTask(Task):
     def _create_model(self) -> torch.nn.Module:
         return EmulatedParameters(self.spec.parameters)
 
-    def build_data(self, batch_size: int, data_seed: int) -> Iterator[Batch]:
-        draws = torch.Generator().manual_seed(data.derived_seed(data_seed, "emulated"))
+    def batch_stream(self, batch_size: int, data_seed: int, part: tuple[int, int] = (0, 1)) -> data.BatchStream:
+        check_part(part, self.config.data.source)
+        return data.BatchStream(functools.partial(self._batches, batch_size, data_seed), "emulated targets")
+
+    def build_loader(self, batch_size: int, data_seed: int, workers: int, pin_memory: bool,
+                     part: tuple[int, int] = (0, 1)) -> data.BatchLoader:
+        """Batches made in the calling process: ``workers`` and ``pin_memory`` are ignored (see above)."""
+        return super().build_loader(batch_size, data_seed, workers=0, pin_memory=False, part=part)
+
+    def _batches(self, batch_size: int, data_seed: int, worker: int, _workers: int) -> Iterator[Batch]:
+        draws = torch.Generator().manual_seed(data.worker_seed(data_seed, "emulated", worker))
         while True:
             yield {"targets": TARGET_MEAN + TARGET_STD * torch.randn(batch_size, generator=draws)}
 

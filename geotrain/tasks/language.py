@@ -20,7 +20,9 @@ drawn from a constant seed (one distribution for every peer). The tokens form 16
 four successors (fixed probabilities) lie in its own topic, so a masked token is predictable: its topic
 from the context, which of the topic's tokens from its left neighbour. Text files and shards are tokenized as a stream,
 documents separated by ``</s>``, and cut into full-length sequences (a document's end flows into the next
-document, RoBERTa's "full sentences" packing, so no position is padding).
+document, RoBERTa's "full sentences" packing, so no position is padding); a file without text adds nothing.
+Reading, tokenizing, packing and masking happen where the batches are made: in each DataLoader worker, on
+its own share of the files or shards, with its own shuffling and masking streams.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Iterable, Iterator
 import torch
 
 from geotrain.tasks import data
-from geotrain.tasks.base import Batch, Task, to_model_device
+from geotrain.tasks.base import Batch, Task, check_part, to_model_device
 
 MASK_FRACTION = 0.15
 SYNTHETIC_DISTRIBUTION_SEED = 2_000_003
@@ -150,23 +152,44 @@ class LanguageTask(Task):
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      labels=batch["labels"]).loss
 
-    def build_data(self, batch_size: int, data_seed: int) -> Iterator[Batch]:
+    def batch_stream(self, batch_size: int, data_seed: int, part: tuple[int, int] = (0, 1)) -> data.BatchStream:
         self.tokenizer  # load it now: a bad tokenizer_path should fail here, not at the first batch
-        source = self.config.data.source
+        source, path = self.config.data.source, self.config.data.path
+        check_part(part, source)
         if source == "synthetic":
-            sequences = self._synthetic_sequences(batch_size, data_seed)
-        else:
-            if source == "folder":
-                documents = self._folder_documents(self.config.data.path, data_seed)
-            else:
-                documents = self._webdataset_documents(data.stream_shards(self.config.data.path, data_seed))
-            sequences = data.batches(self._pack(documents, data_seed), batch_size, torch.stack)
-        masking = torch.Generator().manual_seed(data.derived_seed(data_seed, "masking"))
+            return data.BatchStream(functools.partial(self._synthetic_batches, batch_size, data_seed),
+                                    f"synthetic {self.preset} text")
+        if source == "folder":
+            files = data.list_files(path, (".txt",), "a text file, a directory of *.txt files or a glob like "
+                                                     "/corpus/*.txt")
+            return data.BatchStream(functools.partial(self._folder_batches, files, batch_size, data_seed),
+                                    f"text files {path!r}")
+        shards = data.open_shards(path, data_seed, part)
+        return data.BatchStream(functools.partial(self._webdataset_batches, shards, batch_size, data_seed),
+                                f"webdataset shards {path!r}")
+
+    def _synthetic_batches(self, batch_size: int, data_seed: int, worker: int, _workers: int) -> Iterator[Batch]:
+        return self._masked(self._synthetic_sequences(batch_size, data_seed, worker), data_seed, worker)
+
+    def _folder_batches(self, files: list[Path], batch_size: int, data_seed: int, worker: int,
+                        workers: int) -> Iterator[Batch]:
+        documents = self._folder_documents(files, data_seed, worker, workers)
+        sequences = data.batches(self._pack(documents, data_seed, worker), batch_size, torch.stack)
+        return self._masked(sequences, data_seed, worker)
+
+    def _webdataset_batches(self, shards: data.ShardStream, batch_size: int, data_seed: int, worker: int,
+                            _workers: int) -> Iterator[Batch]:
+        documents = self._webdataset_documents(iter(shards))
+        sequences = data.batches(self._pack(documents, data_seed, worker), batch_size, torch.stack)
+        return self._masked(sequences, data_seed, worker)
+
+    def _masked(self, sequences: Iterator[torch.Tensor], data_seed: int, worker: int) -> Iterator[Batch]:
+        masking = torch.Generator().manual_seed(data.worker_seed(data_seed, "masking", worker))
         return (self._mask(token_ids, masking) for token_ids in sequences)
 
     # ------------------------------------------------------------------------------------------ sources
 
-    def _synthetic_sequences(self, batch_size: int, data_seed: int) -> Iterator[torch.Tensor]:
+    def _synthetic_sequences(self, batch_size: int, data_seed: int, worker: int) -> Iterator[torch.Tensor]:
         tokenizer, length = self.tokenizer, self.spec.sequence_length_tokens
         distribution = random.Random(SYNTHETIC_DISTRIBUTION_SEED)
         # a small tokenizer.json may have fewer ordinary tokens than the chain wants: shrink the chain to fit
@@ -178,7 +201,7 @@ class LanguageTask(Task):
         successors = torch.tensor([[topic * topic_size + offset
                                     for offset in distribution.sample(range(topic_size), len(probabilities))]
                                    for topic in range(topics) for _ in range(topic_size)])
-        draws = torch.Generator().manual_seed(data.derived_seed(data_seed, "synthetic"))
+        draws = torch.Generator().manual_seed(data.worker_seed(data_seed, "synthetic", worker))
         while True:
             state = torch.randint(len(states), (batch_size,), generator=draws)
             choices = torch.multinomial(probabilities, batch_size * (length - 2), replacement=True, generator=draws)
@@ -189,22 +212,27 @@ class LanguageTask(Task):
                 state = successors[state, choices[:, step]]
             yield self._wrap(states[torch.stack(path, dim=1)])
 
-    def _folder_documents(self, path: str, data_seed: int) -> Iterator[str]:
-        files = data.list_files(path, (".txt",), "a text file, a directory of *.txt files or a glob like /corpus/*.txt")
-
-        def one_pass(rng):
-            order = list(files)
-            rng.shuffle(order)
+    def _folder_documents(self, files: list[Path], data_seed: int, worker: int, workers: int) -> Iterator[str]:
+        """This worker's text pieces, pass after pass ("" ends a document with text)."""
+        path = self.config.data.path
+        pass_characters, current_pass, corpus_has_text = 0, 0, None
+        for epoch, file in data.worker_passes(files, data_seed, worker, workers, f"text files {path!r}"):
+            if epoch != current_pass:
+                # a pass without text is fine while other workers' files have some; if none has, the packer
+                # would spin forever (or fill sequences with nothing but </s>): check the whole corpus, once
+                if pass_characters == 0 and corpus_has_text is None:
+                    corpus_has_text = any(piece.strip() for other in files for piece in _read_text_pieces(other))
+                    if not corpus_has_text:
+                        raise data.DataSourceError(f"text files {path!r}: all {len(files)} file(s) are empty; "
+                                                   "expected text")
+                pass_characters, current_pass = 0, epoch
             characters = 0
-            for file in order:
-                for piece in _read_text_pieces(file):
-                    characters += len(piece.strip())
-                    yield piece
+            for piece in _read_text_pieces(file):
+                characters += len(piece.strip())
+                yield piece
+            if characters:
                 yield ""  # end of document: the packer puts </s> here
-            if characters == 0:  # else the packer would fill sequences with nothing but </s>, forever
-                raise data.DataSourceError(f"text files {path!r}: all {len(files)} file(s) are empty; expected text")
-
-        return data.cycle_passes(one_pass, data_seed, f"text files {path!r}")
+            pass_characters += characters
 
     def _webdataset_documents(self, shard_samples: Iterator[dict]) -> Iterator[str]:
         for sample in shard_samples:
@@ -214,7 +242,7 @@ class LanguageTask(Task):
 
     # ------------------------------------------------------------------------------------ tokens to batch
 
-    def _pack(self, pieces: Iterable[str], data_seed: int) -> Iterator[torch.Tensor]:
+    def _pack(self, pieces: Iterable[str], data_seed: int, worker: int) -> Iterator[torch.Tensor]:
         """Cut a stream of text pieces ("" = end of document) into full sequences, shuffled by a buffer."""
         content_length = self.spec.sequence_length_tokens - 2
         tokenizer = self.tokenizer
@@ -227,7 +255,7 @@ class LanguageTask(Task):
                     yield self._wrap(torch.tensor(buffer[:content_length]).unsqueeze(0))[0]
                     del buffer[:content_length]
 
-        shuffling = random.Random(data.derived_seed(data_seed, "packing"))
+        shuffling = random.Random(data.worker_seed(data_seed, "packing", worker))
         return data.shuffle_buffer(chunks(), data.DEFAULT_SHUFFLE_BUFFER_SAMPLES, shuffling)
 
     def _wrap(self, content: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,9 @@ masked out of attention and of the loss. Batches are ``{"features": float (B, me
 "feature_lengths": int64 (B,), "targets": int64 (B, longest transcript), "target_lengths": int64 (B,)}``;
 the loss is CTC, averaged over the batch after dividing each utterance's loss by its transcript length.
 
+Decoding, resampling, padding and the log-Mel features of each batch are computed where the batch is made:
+in each DataLoader worker, on its own share of the files or shards.
+
 Characters: blank (id 0), space, apostrophe, a-z. Transcripts are lower-cased, other whitespace becomes a
 space, and characters outside the set are dropped. Clips longer than the preset's window are skipped
 with a warning.
@@ -35,14 +38,15 @@ import io
 import logging
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from geotrain.tasks import data
-from geotrain.tasks.base import Batch, Task, to_model_device
+from geotrain.tasks.base import Batch, Task, check_part, to_model_device
 
 logger = logging.getLogger(__name__)
 
@@ -166,19 +170,27 @@ class SpeechTask(Task):
         return F.ctc_loss(log_probs.transpose(0, 1), batch["targets"], lengths, batch["target_lengths"],
                           blank=BLANK_ID, reduction="mean", zero_infinity=True)
 
-    def build_data(self, batch_size: int, data_seed: int) -> Iterator[Batch]:
-        source = self.config.data.source
+    def batch_stream(self, batch_size: int, data_seed: int, part: tuple[int, int] = (0, 1)) -> data.BatchStream:
+        source, path = self.config.data.source, self.config.data.path
+        check_part(part, source)
+        self._mel  # built here (torchaudio imported once), so that forked workers inherit it
         if source == "synthetic":
-            clips = self._synthetic_clips(data_seed)
+            clips, description = functools.partial(self._synthetic_clips, data_seed), f"synthetic {self.preset} audio"
         elif source == "folder":
-            clips = self._folder_clips(self.config.data.path, data_seed)
+            files = _audio_files(path)
+            clips, description = functools.partial(self._folder_clips, files, data_seed), f"audio folder {path!r}"
         else:
-            clips = self._webdataset_clips(data.stream_shards(self.config.data.path, data_seed))
-        return data.batches(self._fitting(clips), batch_size, self._collate)
+            shards = data.open_shards(path, data_seed, part)
+            clips, description = functools.partial(self._webdataset_clips, shards), f"webdataset shards {path!r}"
+        return data.BatchStream(functools.partial(self._batches, clips, batch_size), description)
+
+    def _batches(self, clips: Callable[[int, int], Iterator[tuple[torch.Tensor, str]]], batch_size: int, worker: int,
+                 workers: int) -> Iterator[Batch]:
+        return data.batches(self._fitting(clips(worker, workers)), batch_size, self._collate)
 
     # ------------------------------------------------------------------------------------------ sources
 
-    def _synthetic_clips(self, data_seed: int) -> Iterator[tuple[torch.Tensor, str]]:
+    def _synthetic_clips(self, data_seed: int, worker: int, _workers: int) -> Iterator[tuple[torch.Tensor, str]]:
         letters = CHARACTERS[2:]
         letter_samples = round(SYNTHETIC_LETTER_S * SAMPLE_RATE_HZ)
         # pitches evenly spaced on the Mel scale (the HTK formula torchaudio uses), so each letter has its own bins
@@ -189,7 +201,7 @@ class SpeechTask(Task):
         # a Hann envelope returns to silence between letters, so a repeated letter is heard twice
         tones = torch.sin(2 * math.pi * pitches_hz[:, None] * time_s[None, :]) * torch.hann_window(letter_samples)
         max_letters = int(self.spec.window_s / SYNTHETIC_LETTER_S) - 1
-        draws = torch.Generator().manual_seed(data.derived_seed(data_seed, "synthetic"))
+        draws = torch.Generator().manual_seed(data.worker_seed(data_seed, "synthetic", worker))
         while True:
             count = int(torch.randint(max(1, max_letters // 3), max_letters + 1, (1,), generator=draws))
             indices = torch.randint(len(letters), (count,), generator=draws)
@@ -198,30 +210,20 @@ class SpeechTask(Task):
             audio = audio + SYNTHETIC_NOISE_STD * torch.randn(audio.shape, generator=draws)
             yield audio, "".join(letters[i] for i in indices.tolist())
 
-    def _folder_clips(self, path: str, data_seed: int) -> Iterator[tuple[torch.Tensor, str]]:
-        expected = "a directory of .wav/.flac files, each with its transcript in a same-named .txt beside it"
-        files = data.list_files(path, AUDIO_SUFFIXES, expected)
-        for file in files:  # check all transcripts up front: a missing one should not stop a run hours later
-            transcript = file.with_suffix(".txt")
-            if not transcript.is_file():
-                raise data.DataSourceError(f"audio file {str(file)!r} has no transcript {str(transcript)!r}; "
-                                           f"expected {expected}")
+    def _folder_clips(self, files: list[Path], data_seed: int, worker: int,
+                      workers: int) -> Iterator[tuple[torch.Tensor, str]]:
+        description = f"audio folder {self.config.data.path!r}"
+        for _, file in data.worker_passes(files, data_seed, worker, workers, description):
+            try:
+                encoded = file.read_bytes()
+                transcript = file.with_suffix(".txt").read_text(encoding="utf-8", errors="replace")
+            except OSError as error:
+                raise data.DataSourceError(f"audio file {str(file)!r} cannot be read ({error.strerror})") from None
+            yield _decode_audio(encoded, str(file)), transcript
 
-        def one_pass(rng):
-            order = list(files)
-            rng.shuffle(order)
-            for file in order:
-                try:
-                    encoded = file.read_bytes()
-                    transcript = file.with_suffix(".txt").read_text(encoding="utf-8", errors="replace")
-                except OSError as error:
-                    raise data.DataSourceError(f"audio file {str(file)!r} cannot be read ({error.strerror})") from None
-                yield _decode_audio(encoded, str(file)), transcript
-
-        return data.cycle_passes(one_pass, data_seed, f"audio folder {path!r}")
-
-    def _webdataset_clips(self, shard_samples: Iterator[dict]) -> Iterator[tuple[torch.Tensor, str]]:
-        for sample in shard_samples:
+    def _webdataset_clips(self, shards: data.ShardStream, _worker: int,
+                          _workers: int) -> Iterator[tuple[torch.Tensor, str]]:
+        for sample in shards:
             extension, encoded = data.require_field(sample, ("flac", "wav"), "a .wav or .flac member")
             _, transcript = data.require_field(sample, ("txt",), "a .txt member with the transcript")
             where = f"webdataset shard {sample['__url__']!r}, sample {sample['__key__']}.{extension}"
@@ -261,6 +263,18 @@ class SpeechTask(Task):
         targets = nn.utils.rnn.pad_sequence([ids for _, ids in clips], batch_first=True, padding_value=BLANK_ID)
         return {"features": features, "feature_lengths": feature_lengths, "targets": targets,
                 "target_lengths": torch.tensor([ids.numel() for _, ids in clips])}
+
+
+def _audio_files(path: str) -> list[Path]:
+    """The audio files at ``path``, each checked for its transcript up front (not hours into a run)."""
+    expected = "a directory of .wav/.flac files, each with its transcript in a same-named .txt beside it"
+    files = data.list_files(path, AUDIO_SUFFIXES, expected)
+    for file in files:
+        transcript = file.with_suffix(".txt")
+        if not transcript.is_file():
+            raise data.DataSourceError(f"audio file {str(file)!r} has no transcript {str(transcript)!r}; "
+                                       f"expected {expected}")
+    return files
 
 
 def log_mel(mel_power: torch.Tensor) -> torch.Tensor:

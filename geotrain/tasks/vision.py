@@ -3,8 +3,10 @@
 Presets: the five CNNs of [EMJ24] at ImageNet shape (224x224 RGB, 1000 classes), built from timm with
 random init, and ``tiny``, a four-stage ResNet with 16-128 channels on 32x32 images and 10 classes that
 steps in a few tens of ms on a laptop CPU. Batches are ``{"images": float (B, 3, H, W), "labels": int64 (B,)}``;
-the loss is cross-entropy. Images from files are scaled to [0, 1] and normalised with the ImageNet mean
-and standard deviation, which is what these architectures are usually trained with.
+the loss is cross-entropy. Images from files (folders and shards) for the timm presets go through timm's
+ImageNet training transforms for the model (random resized crop, horizontal flip, colour jitter, then the
+ImageNet mean and standard deviation), in the DataLoader's worker processes; the ``tiny`` preset's are
+resized, centre-cropped and normalised the same way, without augmentation.
 
 Synthetic data: every class has a fixed smooth "prototype" image (drawn once from a constant seed, so
 every peer shares the distribution); a sample is its class prototype plus per-pixel Gaussian noise.
@@ -15,6 +17,7 @@ Used through :func:`geotrain.tasks.build_task`; data conventions are in ``geotra
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 from dataclasses import dataclass
@@ -29,7 +32,7 @@ from PIL import Image, UnidentifiedImageError
 from timm.models.resnet import BasicBlock, ResNet
 
 from geotrain.tasks import data
-from geotrain.tasks.base import Batch, Task, to_model_device
+from geotrain.tasks.base import Batch, Task, check_part, to_model_device
 
 logger = logging.getLogger(__name__)
 
@@ -78,42 +81,72 @@ class VisionTask(Task):
         batch = to_model_device(model, batch)
         return F.cross_entropy(model(batch["images"]), batch["labels"])
 
-    def build_data(self, batch_size: int, data_seed: int) -> Iterator[Batch]:
-        source = self.config.data.source
+    def batch_stream(self, batch_size: int, data_seed: int, part: tuple[int, int] = (0, 1)) -> data.BatchStream:
+        source, path = self.config.data.source, self.config.data.path
+        check_part(part, source)
         if source == "synthetic":
-            return self._synthetic_batches(batch_size, data_seed)
+            return data.BatchStream(functools.partial(self._synthetic_batches, batch_size, data_seed),
+                                    f"synthetic {self.preset} images")
+        self._train_transform  # built here, so that forked workers inherit it
         if source == "folder":
-            samples = self._folder_samples(self.config.data.path, data_seed)
-        else:
-            samples = self._webdataset_samples(data.stream_shards(self.config.data.path, data_seed))
-        return data.batches(samples, batch_size, _collate)
+            files = _image_folder(path, self.spec.num_classes, self.preset)
+            return data.BatchStream(functools.partial(self._folder_batches, files, batch_size, data_seed),
+                                    f"image folder {path!r}")
+        shards = data.open_shards(path, data_seed, part)
+        return data.BatchStream(functools.partial(self._webdataset_batches, shards, batch_size),
+                                f"webdataset shards {path!r}")
 
-    def _synthetic_batches(self, batch_size: int, data_seed: int) -> Iterator[Batch]:
+    @functools.cached_property
+    def _train_transform(self):
+        """timm's ImageNet training transform for the preset's model; None for ``tiny`` (no augmentation)."""
+        if self.spec.timm_name is None:
+            return None
+        from timm.data import create_transform, resolve_data_config
+        from timm.models import get_pretrained_cfg
+
+        pretrained = get_pretrained_cfg(self.spec.timm_name)  # the registry's defaults; nothing is downloaded
+        size_px = self.spec.image_size_px
+        config = resolve_data_config({"input_size": (3, size_px, size_px)},
+                                     pretrained_cfg=pretrained.to_dict() if pretrained is not None else None)
+        return create_transform(**config, is_training=True)
+
+    def _image(self, encoded: bytes) -> torch.Tensor:
+        """A normalised (3, size, size) training image from the bytes of an image file."""
+        transform = self._train_transform
+        if transform is None:
+            return _decode_image(encoded, self.spec.image_size_px)
+        with Image.open(io.BytesIO(encoded)) as image:
+            return transform(image.convert("RGB"))
+
+    def _synthetic_batches(self, batch_size: int, data_seed: int, worker: int, _workers: int) -> Iterator[Batch]:
         size_px, num_classes = self.spec.image_size_px, self.spec.num_classes
         distribution = torch.Generator().manual_seed(SYNTHETIC_DISTRIBUTION_SEED)
         prototypes = torch.randn(num_classes, 3, SYNTHETIC_PROTOTYPE_PX, SYNTHETIC_PROTOTYPE_PX, generator=distribution)
-        draws = torch.Generator().manual_seed(data.derived_seed(data_seed, "synthetic"))
+        draws = torch.Generator().manual_seed(data.worker_seed(data_seed, "synthetic", worker))
         while True:
             labels = torch.randint(num_classes, (batch_size,), generator=draws)
             clean = F.interpolate(prototypes[labels], size=(size_px, size_px), mode="bilinear", align_corners=False)
             noise = torch.randn(batch_size, 3, size_px, size_px, generator=draws) * SYNTHETIC_NOISE_STD
             yield {"images": clean + noise, "labels": labels}
 
-    def _folder_samples(self, path: str, data_seed: int) -> Iterator[tuple[torch.Tensor, int]]:
-        files = _image_folder(path, self.spec.num_classes, self.preset)
+    def _folder_batches(self, files: list[tuple[Path, int]], batch_size: int, data_seed: int, worker: int,
+                        workers: int) -> Iterator[Batch]:
+        description = f"image folder {self.config.data.path!r}"
 
-        def one_pass(rng):
-            order = list(files)
-            rng.shuffle(order)
-            for file, label in order:
+        def samples():
+            for _, (file, label) in data.worker_passes(files, data_seed, worker, workers, description):
                 try:
-                    image = _decode_image(file.read_bytes(), self.spec.image_size_px)
+                    image = self._image(file.read_bytes())
                 except (OSError, UnidentifiedImageError) as error:
                     raise data.DataSourceError(f"image {str(file)!r} cannot be read ({error}); expected an image "
                                                f"file ({'/'.join(IMAGE_SUFFIXES)})") from None
                 yield image, label
 
-        return data.cycle_passes(one_pass, data_seed, f"image folder {path!r}")
+        return data.batches(samples(), batch_size, _collate)
+
+    def _webdataset_batches(self, shards: data.ShardStream, batch_size: int, _worker: int,
+                            _workers: int) -> Iterator[Batch]:
+        return data.batches(self._webdataset_samples(iter(shards)), batch_size, _collate)
 
     def _webdataset_samples(self, shard_samples: Iterator[dict]) -> Iterator[tuple[torch.Tensor, int]]:
         for sample in shard_samples:
@@ -125,7 +158,7 @@ class VisionTask(Task):
             except (ValueError, UnicodeDecodeError) as error:
                 raise data.DataSourceError(f"{where}: .cls is not an integer class index ({error})") from None
             try:
-                image = _decode_image(image_bytes, self.spec.image_size_px)
+                image = self._image(image_bytes)
             except (OSError, UnidentifiedImageError) as error:
                 raise data.DataSourceError(f"{where}: the image cannot be decoded ({error})") from None
             if not 0 <= label < self.spec.num_classes:
