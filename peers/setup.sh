@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# Install geotrain on this VM and keep a trainer (or the coordinator) running under systemd.
+# Install geotrain on this VM and keep its trainers (one per GPU) or the coordinator running under systemd.
 # The cloud startup scripts (peers/aws, peers/gcp, peers/azure) fetch geotrain's source and call this;
 # on any other Linux VM with systemd, run it as root from a checkout:
 #
 #     sudo GEOTRAIN_INITIAL_PEERS=/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... peers/setup.sh trainer
 #
 # It installs geotrain into /opt/geotrain/venv, creates the system user geotrain, writes the settings
-# (GEOTRAIN_* variables, see peers/run.sh) to /etc/geotrain/geotrain.env, and enables
-# geotrain@ROLE.service, which runs peers/run.sh at every start. Running it again (GCE runs its startup
-# script at every boot) reinstalls only when the source changed and restarts only when a setting did.
+# (GEOTRAIN_* variables, see peers/run.sh) to /etc/geotrain/geotrain.env, and enables one unit per peer,
+# each running peers/run.sh at every start: geotrain@coordinator, or geotrain@trainer-0 ... trainer-(G-1)
+# on a VM with G GPUs (geotrain@trainer-0 alone without a GPU). Running it again (GCE runs its startup
+# script at every boot) reinstalls only when the source changed, restarts only when a setting did, and
+# follows a change of the VM's GPUs: it starts the units of new GPUs and stops those of GPUs gone.
 #
 # GEOTRAIN_DRY_RUN=1 changes nothing on the machine: it says what it would do, writes the settings to a
-# temporary file, and runs run.sh from it exactly as systemd would, in its dry-run mode.
+# temporary file, and runs run.sh from it exactly as systemd would, in its dry-run mode (which shows the
+# command of every unit).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source-path=SCRIPTDIR source=lib/discover.sh
+source "$here/lib/discover.sh"   # geotrain_count_gpus
 source_dir=$(dirname "$here")
 role=${1:-${GEOTRAIN_ROLE:-trainer}}
 dry_run=${GEOTRAIN_DRY_RUN:-0}
@@ -37,7 +42,19 @@ fi
 # Everything run.sh reads that a user may set; the rest it derives.
 settings=(GEOTRAIN_INITIAL_PEERS GEOTRAIN_CLOUD GEOTRAIN_RUN_ID GEOTRAIN_TASK GEOTRAIN_PRESET
     GEOTRAIN_NETWORK_PROFILE GEOTRAIN_EXTRA_ARGS GEOTRAIN_PORT GEOTRAIN_METRICS_PORT GEOTRAIN_ANNOUNCE_HOST
-    GEOTRAIN_REGION GEOTRAIN_INSTANCE_TYPE GEOTRAIN_PREEMPTION GEOTRAIN_PUBLIC_IP_URL GEOTRAIN_METADATA_URL)
+    GEOTRAIN_REGION GEOTRAIN_INSTANCE_TYPE GEOTRAIN_PREEMPTION GEOTRAIN_PUBLIC_IP_URL GEOTRAIN_METADATA_URL
+    GEOTRAIN_GPUS)
+
+# The units to run: one per trainer, each of them run.sh for one GPU (run.sh counts the GPUs the same way).
+units=("geotrain@coordinator.service")
+if [[ $role == trainer ]]; then
+    # in a subshell: an operator's GEOTRAIN_GPUS goes to the settings, a counted one does not
+    gpus=$(geotrain_count_gpus && echo "$GEOTRAIN_GPUS") || exit 2
+    units=()
+    for ((index = 0; index < (gpus > 0 ? gpus : 1); index++)); do
+        units+=("geotrain@trainer-$index.service")
+    done
+fi
 
 # A config given relative to the source (peers/configs/trainer.yaml) is copied to /etc/geotrain, so a
 # later update of the source does not change a running VM's config behind its back.
@@ -58,7 +75,7 @@ fi
 # differently.
 write_settings() {
     local name value
-    echo "# Written by geotrain's peers/setup.sh; read by geotrain@.service. Edit, then: systemctl restart geotrain@$role"
+    echo "# Written by geotrain's peers/setup.sh; read by geotrain@.service. Edit, then: systemctl restart 'geotrain@$role*'"
     for name in "${settings[@]}"; do
         value=${!name:-}
         [[ -n $value ]] || continue
@@ -79,12 +96,13 @@ if [[ $dry_run == 1 ]]; then
     write_settings >"$settings_file"
     log "dry run; would install geotrain from $source_dir into $prefix/venv, create the user $user," \
         "copy run.sh to $prefix/libexec, ${config_source:+copy $config_source to $GEOTRAIN_CONFIG, }write" \
-        "$etc_dir/geotrain.env, install $unit_dir/geotrain@.service and start geotrain@$role"
-    # What systemd would do: a clean environment with only the settings file in it. The inner shell
+        "$etc_dir/geotrain.env, install $unit_dir/geotrain@.service and start ${units[*]}"
+    # What systemd would do: a clean environment with only the settings file in it; run.sh ROLE shows the
+    # commands of all the units. The config is read from where it would be copied from. The inner shell
     # expands "$1" and friends, hence the single quotes.
     # shellcheck disable=SC2016
-    exec env -i PATH="$PATH" GEOTRAIN_DRY_RUN=1 bash -c 'set -a; source "$1"; set +a; exec bash "$2" "$3"' \
-        run "$settings_file" "$here/run.sh" "$role"
+    exec env -i PATH="$PATH" GEOTRAIN_DRY_RUN=1 GEOTRAIN_DRY_RUN_CONFIG="$config_source" \
+        bash -c 'set -a; source "$1"; set +a; exec bash "$2" "$3"' run "$settings_file" "$here/run.sh" "$role"
 fi
 
 if ((EUID != 0)); then
@@ -141,10 +159,20 @@ if ! cmp -s "$here/systemd/geotrain@.service" "$unit_dir/geotrain@.service"; the
     changed=1
 fi
 
-systemctl enable "geotrain@$role.service"
+# Units of this role that are enabled but no longer wanted: trainers of GPUs the VM no longer has (it was
+# resized), or geotrain@trainer, which ran the VM's only trainer before there was one unit per GPU.
+for link in "$unit_dir"/multi-user.target.wants/geotrain@"$role"*.service; do
+    [[ -L $link ]] || continue
+    unit=${link##*/}
+    if [[ " ${units[*]} " != *" $unit "* ]]; then
+        log "stopping $unit, which this VM no longer runs"
+        systemctl disable --now "$unit"
+    fi
+done
+systemctl enable "${units[@]}"
 if ((changed)); then
-    systemctl restart "geotrain@$role.service"
+    systemctl restart "${units[@]}"
 else
-    systemctl start "geotrain@$role.service"
+    systemctl start "${units[@]}"
 fi
-log "geotrain@$role is running; follow it with: journalctl -fu geotrain@$role"
+log "running ${units[*]}; follow them with: journalctl -fu 'geotrain@$role*'"

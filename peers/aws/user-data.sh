@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# EC2 user data: install geotrain on a (spot) instance and run a trainer under systemd that joins the
-# swarm, announces the instance's public address and labels its metrics with its region and type, all
+# EC2 user data: install geotrain on a (spot) instance and run one trainer per GPU under systemd; each joins
+# the swarm, announces the instance's public address and labels its metrics with its region and type, all
 # from the instance metadata service (IMDSv2). Edit the settings below, then:
 #
 #   aws ec2 run-instances --region eu-west-1 --image-id ami-... (Ubuntu 24.04) --instance-type g4dn.xlarge \
@@ -8,9 +8,10 @@
 #     --metadata-options HttpTokens=required,HttpEndpoint=enabled \
 #     --security-group-ids sg-... --user-data file://peers/aws/user-data.sh
 #
-# The security group must allow TCP 31337 from the other peers (and 9100 from Prometheus only).
+# The security group must allow TCP 31337 from the other peers (and 9100 from Prometheus only), plus one
+# port more of each per GPU after the first: trainer N listens on 31337 + N and serves metrics on 9100 + N.
 # "stop" as the interruption behaviour keeps the disk, and with it the peer id, across interruptions.
-# Output: /var/log/cloud-init-output.log; the peer: journalctl -u geotrain@trainer.
+# Output: /var/log/cloud-init-output.log; the trainers: journalctl -u 'geotrain@trainer-*'.
 set -euo pipefail
 GEOTRAIN_CLOUD=aws
 

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Azure custom data: install geotrain on a (spot) VM and run a trainer under systemd that joins the
-# swarm, announces the VM's public address and labels its metrics with its location and size, all
+# Azure custom data: install geotrain on a (spot) VM and run one trainer per GPU under systemd; each joins
+# the swarm, announces the VM's public address and labels its metrics with its location and size, all
 # from the instance metadata service (IMDS). Edit the settings below, then:
 #
 #   az vm create -g geotrain -n geotrain-trainer-1 -l westeurope --image Ubuntu2404 --size Standard_NC4as_T4_v3 \
 #     --priority Spot --eviction-policy Deallocate --max-price -1 --custom-data peers/azure/custom-data.sh
-#   az vm open-port -g geotrain -n geotrain-trainer-1 --port 31337
+#   az vm open-port -g geotrain -n geotrain-trainer-1 --port 31337   # 4 GPUs: --port 31337-31340
 #
 # Only allow 9100 from Prometheus. "Deallocate" keeps the disk, and with it the peer id.
 # IMDS lists a public address only if it is of the Basic SKU; new VMs get Standard-SKU addresses, which
 # it leaves out. Without GEOTRAIN_ANNOUNCE_HOST (below) or GEOTRAIN_PUBLIC_IP_URL the trainer then joins
 # in client mode: it trains, but other peers cannot dial it.
-# Output: /var/log/cloud-init-output.log; the peer: journalctl -u geotrain@trainer.
+# Output: /var/log/cloud-init-output.log; the trainers: journalctl -u 'geotrain@trainer-*'.
 set -euo pipefail
 GEOTRAIN_CLOUD=azure
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GCE startup script: install geotrain on a (spot) VM and run a trainer under systemd that joins the
-# swarm, announces the VM's external address and labels its metrics with its region and machine type,
+# GCE startup script: install geotrain on a (spot) VM and run one trainer per GPU under systemd; each joins
+# the swarm, announces the VM's external address and labels its metrics with its region and machine type,
 # all from the metadata server. Edit the settings below, then:
 #
 #   gcloud compute instances create geotrain-trainer-1 --zone us-central1-a --machine-type n1-standard-8 \
@@ -8,10 +8,11 @@
 #     --image-family ubuntu-2404-lts-amd64 --image-project ubuntu-os-cloud --tags geotrain \
 #     --metadata-from-file startup-script=peers/gcp/startup-script.sh
 #
-# A firewall rule for the tag must allow TCP 31337 from the other peers (and 9100 from Prometheus only).
+# A firewall rule for the tag must allow TCP 31337 from the other peers (and 9100 from Prometheus only),
+# plus one port more of each per GPU after the first: trainer N listens on 31337 + N, metrics on 9100 + N.
 # STOP as the termination action keeps the disk, and with it the peer id. GCE runs this script at every
 # boot; setup.sh then changes nothing unless the source or a setting did.
-# Output: journalctl -u google-startup-scripts; the peer: journalctl -u geotrain@trainer.
+# Output: journalctl -u google-startup-scripts; the trainers: journalctl -u 'geotrain@trainer-*'.
 set -euo pipefail
 GEOTRAIN_CLOUD=gcp
 

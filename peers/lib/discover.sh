@@ -1,9 +1,11 @@
 # shellcheck shell=bash
 # What a cloud VM must know about itself before it joins a swarm: its public address (to announce to
 # other peers), its region and instance type (labels of its metrics), and which cloud it is on (which
-# preemption notices to watch). All of it comes from the cloud's metadata service.
+# preemption notices to watch), all from the cloud's metadata service; and how many GPUs it has (how many
+# trainers to start), from nvidia-smi.
 #
-# Sourced by peers/run.sh; on a VM, run it alone to see what a peer would announce:
+# Sourced by peers/run.sh (and peers/setup.sh, for the GPUs); on a VM, run it alone to see what a peer
+# would announce and how many trainers it would start:
 #
 #     bash peers/lib/discover.sh [aws|gcp|azure|auto]
 #
@@ -12,6 +14,9 @@
 # in the environment wins, so an operator can relabel a VM; the announced address is overridden with
 # GEOTRAIN_ANNOUNCE_HOST in run.sh. GEOTRAIN_METADATA_URL replaces the metadata service's
 # base URL (tests point it at a server on loopback; nobody else needs it).
+#
+# geotrain_count_gpus sets GEOTRAIN_GPUS, the number of NVIDIA GPUs the VM has (a VM runs one trainer per
+# GPU), unless the operator (or SkyPilot, see peers/skypilot/trainer.yaml) already set it.
 
 # Each cloud's documented metadata endpoint. GCE answers on the name it documents; AWS and Azure
 # only on the link-local address.
@@ -140,6 +145,31 @@ print(compute["location"], compute["vmSize"], addresses[0].get("publicIpAddress"
     _geotrain_set_public_ip "$public_ip"
 }
 
+# geotrain_count_gpus: the GPUs `nvidia-smi --list-gpus` lists ("GPU 0: Tesla T4 (UUID: GPU-...)", one
+# line each; MIG slices are indented under their GPU and not counted). 0 when there is no nvidia-smi (a
+# CPU VM, or an image without the NVIDIA driver) or it fails (a driver that does not match the kernel).
+# Returns 2 when GEOTRAIN_GPUS is set but is not a count.
+geotrain_count_gpus() {
+    local listing
+    if [[ -n ${GEOTRAIN_GPUS:-} ]]; then
+        if [[ ! $GEOTRAIN_GPUS =~ ^[0-9]+$ ]]; then
+            geotrain_log "GEOTRAIN_GPUS is '$GEOTRAIN_GPUS'; expected the number of GPUs to use (0: one CPU trainer)"
+            return 2
+        fi
+        GEOTRAIN_GPUS=$((10#$GEOTRAIN_GPUS))
+        return 0
+    fi
+    GEOTRAIN_GPUS=0
+    if ! command -v nvidia-smi >/dev/null; then
+        return 0
+    fi
+    if ! listing=$(nvidia-smi --list-gpus 2>&1); then
+        geotrain_log "nvidia-smi failed, so no GPU is used (is the NVIDIA driver loaded?): ${listing%%$'\n'*}"
+        return 0
+    fi
+    GEOTRAIN_GPUS=$(grep -c '^GPU [0-9]' <<<"$listing" || true)
+}
+
 # Which cloud is this? Each probe asks the one question only that cloud's metadata service answers.
 geotrain_detect_cloud() {
     local gcp=${GEOTRAIN_METADATA_URL:-$GEOTRAIN_METADATA_GCP} aws=${GEOTRAIN_METADATA_URL:-$GEOTRAIN_METADATA_AWS}
@@ -188,6 +218,7 @@ geotrain_discover() {
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
     set -euo pipefail
     geotrain_discover "${1:-${GEOTRAIN_CLOUD:-auto}}"
-    printf 'cloud=%s\nregion=%s\ninstance_type=%s\npublic_ip=%s\n' \
-        "$GEOTRAIN_CLOUD" "${GEOTRAIN_REGION:-}" "${GEOTRAIN_INSTANCE_TYPE:-}" "${GEOTRAIN_PUBLIC_IP:-}"
+    geotrain_count_gpus
+    printf 'cloud=%s\nregion=%s\ninstance_type=%s\npublic_ip=%s\ngpus=%s\n' \
+        "$GEOTRAIN_CLOUD" "${GEOTRAIN_REGION:-}" "${GEOTRAIN_INSTANCE_TYPE:-}" "${GEOTRAIN_PUBLIC_IP:-}" "$GEOTRAIN_GPUS"
 fi

@@ -13,6 +13,7 @@ import importlib.util
 import ipaddress
 import json
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -30,6 +31,8 @@ DOCKER = REPO / "docker"
 COMPOSE_FILE = DOCKER / "compose.yaml"
 MONITORING = REPO / "monitoring"
 TRAINERS = ("trainer-1", "trainer-2")
+COORDINATOR = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq"
+GIB = 1024 ** 3
 
 
 def dockerfiles() -> list[Path]:
@@ -198,6 +201,28 @@ def test_entrypoint_leaves_other_commands_alone(tmp_path, fake_geotrain):
     result = entrypoint(fake_geotrain, "coordinator", "--port", "31337",
                         GEOTRAIN_INITIAL_PEERS_FILE=str(tmp_path / "absent.txt"))
     assert json.loads(result.stdout) == ["coordinator", "--port", "31337"]
+
+
+def fake_df(folder: Path, shm_kb: int) -> str:
+    """PATH with a df that reports /dev/shm as ``shm_kb`` KB, the way `df -Pk` does."""
+    folder.mkdir()
+    df = folder / "df"
+    df.write_text("#!/bin/sh\n"
+                  "echo 'Filesystem     1024-blocks  Used Available Capacity Mounted on'\n"
+                  f"echo 'shm {shm_kb} 0 {shm_kb} 0% /dev/shm'\n")
+    df.chmod(0o755)
+    return f"{folder}:/usr/bin:/bin"
+
+
+@pytest.mark.parametrize("shm_kb, warned", [(64 * 1024, True), (10 * 1024 * 1024, False)])
+def test_entrypoint_warns_when_dev_shm_is_dockers_default(tmp_path, fake_geotrain, shm_kb, warned):
+    for command in ("peer", "coordinator"):
+        result = entrypoint(fake_geotrain, command, PATH=fake_df(tmp_path / command, shm_kb))
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout) == [command]   # a warning, not a refusal
+        assert ("/dev/shm holds only 64 MB" in result.stderr and "--shm-size" in result.stderr
+                and "--ipc=host" in result.stderr) == warned
+    assert "/dev/shm" not in entrypoint(fake_geotrain, "--help", PATH=fake_df(tmp_path / "help", 1024)).stderr
 
 
 # ---- health check --------------------------------------------------------------------------------------------
@@ -453,3 +478,82 @@ def test_dashboard_shows_what_an_operator_watches():
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     assert dashboard["uid"] == "geotrain"
+
+
+# ---- GPUs and shared memory ---------------------------------------------------------------------------------
+
+def size_in_bytes(text: str | int) -> int:
+    """A Docker/compose size (10gb, 10g, 512m, bytes), in bytes; Docker's units are binary."""
+    if isinstance(text, int):
+        return text
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([bkmg]?)b?", str(text).strip().lower()).groups()
+    return int(float(number) * 1024 ** "bkmg".index(unit or "b"))
+
+
+def shared_memory_needed() -> int:
+    """/dev/shm a trainer of the study's largest model needs: hivemind's averaged gradients and offloaded fp32
+    parameters, Adam's two moments (shared when hivemind averages them), and 1 GB of DataLoader batches."""
+    from geotrain.tasks.presets import EMJ24_PARAMETER_COUNTS
+
+    largest = max(count for counts in EMJ24_PARAMETER_COUNTS.values() for count in counts.values())
+    assert largest == 560_100_000  # xlm-roberta-large; the sizing in compose.yaml's comment names it
+    fp32 = 4 * largest
+    return 2 * fp32 + 2 * fp32 + 10 ** 9
+
+
+def documented_docker_runs(text: str) -> list[list[str]]:
+    """The `docker run ...` examples in a text (comment markers and line continuations removed), as words."""
+    lines = [re.sub(r"^#\s?", "", line).strip() for line in text.splitlines()]
+    runs, current = [], None
+    for line in lines:
+        if current is None and line.startswith("docker run "):
+            current = ""
+        if current is not None:
+            current += " " + line.rstrip("\\").strip()
+            if not line.endswith("\\"):
+                runs.append(shlex.split(current))
+                current = None
+    return runs
+
+
+def test_compose_gives_hivemind_enough_shared_memory_for_the_largest_model(compose, commands):
+    for name in commands:
+        service = compose["services"][name]
+        if service.get("ipc") != "host":
+            assert size_in_bytes(service["shm_size"]) >= shared_memory_needed(), f"{name}: shm_size too small"
+    assert size_in_bytes("10gb") == 10 * GIB and size_in_bytes("64m") == 64 * 1024 ** 2
+
+
+def test_gpu_trainers_run_one_container_per_gpu_with_enough_shared_memory():
+    """The Dockerfile's and docs/deployment.md's `docker run` of a GPU trainer: the CUDA image, one GPU per
+    container (which --device auto then picks), /dev/shm as large as compose's, and a valid geotrain command."""
+    compose_shm = size_in_bytes(yaml.safe_load(COMPOSE_FILE.read_text())["x-geotrain"]["shm_size"])
+    sources = {"docker/Dockerfile": (DOCKER / "Dockerfile").read_text(),
+               "docs/deployment.md": (REPO / "docs/deployment.md").read_text()}
+    for source, text in sources.items():
+        gpu_runs = [run for run in documented_docker_runs(text) if any(word.startswith("--gpus") for word in run)]
+        assert gpu_runs, f"{source} shows no docker run of a GPU trainer"
+        assert "--ipc=host" in text, f"{source} does not mention --ipc=host"
+        for run in gpu_runs:
+            image = next(word for word in run if word.startswith("geotrain:"))
+            options, arguments = run[2:run.index(image)], run[run.index(image) + 1:]
+            assert image == "geotrain:cuda"
+            assert options[options.index("--gpus") + 1] == "device=0", f"{source}: one GPU per container"
+            assert size_in_bytes(options[options.index("--shm-size") + 1]) == compose_shm
+            arguments = [COORDINATOR if word.startswith("/ip4/") else "198.51.100.4" if word == "PUBLIC_IP" else word
+                         for word in arguments]
+            if "--config" in arguments:  # a file mounted into the container; not here
+                del arguments[arguments.index("--config"):arguments.index("--config") + 2]
+            trainer = GeotrainCommandLine(arguments)
+            assert trainer.command == "peer" and trainer.config.training.device == "auto"
+            # the container's port is the host's (-p P:P), so the announced address is dialable
+            port = str(trainer.config.swarm.port)
+            assert f"{port}:{port}" in options
+    assert "ARG VARIANT=cpu" in sources["docker/Dockerfile"]
+
+
+def test_compose_trainers_take_whichever_device_the_image_has(commands):
+    # the CPU image trains on the CPU; the same command on the CUDA image with a GPU reserved uses the GPU
+    for trainer in TRAINERS:
+        assert commands[trainer].value("--device") == "auto"
+        assert commands[trainer].config.training.device == "auto"

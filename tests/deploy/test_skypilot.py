@@ -4,7 +4,8 @@ SkyPilot runs in .venv-sky (its dependencies pin versions geotrain's would clash
 runs there and reports what SkyPilot made of each file as JSON. Validating resources against clouds needs
 SkyPilot's online catalog and credentials, so it stops at what SkyPilot checks offline: the schema, the
 envs, the resources it would request and the workdir. The task's `run` step then runs here, in dry-run
-mode, against a metadata service on loopback.
+mode, against a metadata service on loopback, and for real with a stand-in for geotrain that records how
+it was started: one trainer per GPU SkyPilot gave the node.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from deploy_helpers import GeotrainCommandLine, parse_key_values
+from deploy_helpers import GeotrainCommandLine, fake_bin, fake_geotrain, parse_key_values, recorded
 from deploy_tools import REPO
 from metadata_servers import gce_metadata
 
@@ -94,7 +96,8 @@ def test_trainer_task_runs_on_spot_vms_of_any_cloud_and_recovers(parsed):
     assert {r["cloud"] for r in task["resources"]} == {"AWS", "GCP", "Azure"}
     for resources in task["resources"]:
         assert resources["use_spot"] is True
-        assert resources["ports"] == ["31337"]
+        # trainer N of a VM listens on 31337 + N: open enough for a VM of 8 GPUs
+        assert resources["ports"] == ["31337-31344"]
         assert resources["accelerators"] == {"T4": 1}
         assert EXIT_PREEMPTED in resources["job_recovery"]["recover_on_exit_codes"]
 
@@ -114,19 +117,73 @@ def test_task_run_step_starts_geotrain_with_the_vms_address(parsed, name):
     """The task's own `run` script, with its envs, on a (loopback) GCE VM: the command it would start."""
     task = parsed[f"peers/skypilot/{name}"]
     with gce_metadata("europe-west4-a", "n1-standard-8", "203.0.113.50") as server:
-        env = {**task["envs"], "HOME": "/home/sky", "GEOTRAIN_DRY_RUN": "1", "GEOTRAIN_METADATA_URL": server.url}
+        # SkyPilot tells every task how many GPUs it got (0 for the coordinator's CPU VM)
+        env = {**task["envs"], "HOME": "/home/sky", "GEOTRAIN_DRY_RUN": "1", "GEOTRAIN_METADATA_URL": server.url,
+               "SKYPILOT_NUM_GPUS_PER_NODE": "1" if name == "trainer.yaml" else "0"}
         result = subprocess.run(["bash", "-c", task["run"]], cwd=task["workdir"], env={"PATH": "/usr/bin:/bin", **env},
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     facts = parse_key_values(result.stdout)
     assert (facts["cloud"], facts["region"], facts["announce_host"]) == ("gcp", "europe-west4", "203.0.113.50")
-    command = GeotrainCommandLine.from_shell(facts["command"])
-    assert shlex.split(facts["command"])[0] == "/home/sky/geotrain-venv/bin/geotrain"
+    line = facts["command_0" if name == "trainer.yaml" else "command"]
+    command = GeotrainCommandLine.from_shell(line)
+    assert shlex.split(line)[0] == "/home/sky/geotrain-venv/bin/geotrain"
     assert command.config.swarm.announce_host == "203.0.113.50"
     if name == "trainer.yaml":
         assert command.config.swarm.initial_peers == [COORDINATOR]
-        assert str(command.config.swarm.identity_path) == "/home/sky/geotrain-state/identity.key"
+        assert str(command.config.swarm.identity_path) == "/home/sky/geotrain-state/identity-0.key"
         assert command.config.preemption.source == "gcp"
+        assert command.config.training.device == "cuda:0"
     else:
         assert str(command.state_dir) == "/home/sky/geotrain-state"
 
+
+
+def run_trainer_task(parsed, home: Path, gpus: str, **env: str) -> subprocess.CompletedProcess:
+    """The trainer task's `run`, for real, as SkyPilot runs it on a node with ``gpus`` GPUs; geotrain in
+    ~/geotrain-venv (where setup.sh installs it) is a stand-in that records its arguments."""
+    task = parsed["peers/skypilot/trainer.yaml"]
+    # no nvidia-smi on this PATH: the count must come from SkyPilot
+    path = f"{fake_bin(home / 'bin')}:/usr/bin:/bin"
+    with gce_metadata("europe-west4-a", "n1-standard-8", "203.0.113.50") as server:
+        return subprocess.run(["bash", "-c", task["run"]], cwd=task["workdir"], capture_output=True, text=True,
+                              timeout=120, env={"PATH": path, **task["envs"], "HOME": str(home),
+                                                "SKYPILOT_NUM_GPUS_PER_NODE": gpus,
+                                                "GEOTRAIN_METADATA_URL": server.url, **env})
+
+
+@pytest.mark.parametrize("gpus", [2, 0])
+def test_trainer_task_starts_one_trainer_per_gpu_it_got(parsed, tmp_path, gpus):
+    record = tmp_path / "calls.jsonl"
+    fake_geotrain(tmp_path / "home/geotrain-venv/bin/geotrain", record)
+    result = run_trainer_task(parsed, tmp_path / "home", str(gpus))
+    assert result.returncode == 0, result.stderr
+    peers = sorted((GeotrainCommandLine(argv) for argv in recorded(record)), key=lambda peer: peer.config.swarm.port)
+    assert len(peers) == max(gpus, 1)
+    state = tmp_path / "home/geotrain-state"
+    for index, peer in enumerate(peers):
+        assert peer.command == "peer"
+        assert peer.config.training.device == (f"cuda:{index}" if gpus else "auto")
+        assert (peer.config.swarm.port, peer.config.metrics.port) == (31337 + index, 9100 + index)
+        assert peer.config.swarm.announce_host == "203.0.113.50"
+        assert peer.config.swarm.identity_path == state / f"identity-{index}.key"
+        assert peer.config.swarm.initial_peers == [COORDINATOR]
+        assert peer.config.preemption.source == "gcp"
+    # every port a trainer listens on is one the task opens
+    (resources, *_) = parsed["peers/skypilot/trainer.yaml"]["resources"]
+    low, high = (int(port) for port in resources["ports"][0].split("-"))
+    assert all(low <= peer.config.swarm.port <= high for peer in peers)
+
+
+def test_a_preempted_trainer_ends_the_job_with_75_so_skypilot_relaunches_it(parsed, tmp_path):
+    from geotrain.preemption import EXIT_PREEMPTED
+
+    record = tmp_path / "calls.jsonl"
+    fake_geotrain(tmp_path / "home/geotrain-venv/bin/geotrain", record)
+    result = run_trainer_task(parsed, tmp_path / "home", "2",
+                              FAKE_GEOTRAIN=json.dumps({"cuda:0": "sleep:60", "cuda:1": f"exit:{EXIT_PREEMPTED}"}))
+    assert result.returncode == EXIT_PREEMPTED, result.stderr
+    assert EXIT_PREEMPTED in parsed["peers/skypilot/trainer.yaml"]["resources"][0]["job_recovery"][
+        "recover_on_exit_codes"]
+    # the other trainer was told to leave rather than left behind
+    assert Path(f"{record}.stopped").read_text().split() == ["cuda:0"]
