@@ -149,3 +149,16 @@ def test_lab_name_after_the_region_is_used_not_ignored():
     result = geotrain("lab", "run", "eu", "--mtu", "1500", "--", "true", timeout_s=60)
     assert result.returncode == BAD_INPUT
     assert "unknown option --mtu" in result.stderr, result.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_gpu_this_machine_lacks_is_refused_before_joining():
+    result = geotrain("peer", "--device", "cuda", "--initial-peers", unreachable_peer(), "--bootstrap-timeout", "30",
+                      timeout_s=120)
+    assert_user_error(result, "--device cuda: this machine has no CUDA GPU")
+
+
+def test_fp16_on_a_cpu_is_refused_before_joining():
+    result = geotrain("peer", "--device", "cpu", "--precision", "fp16", "--initial-peers", unreachable_peer(),
+                      "--bootstrap-timeout", "30", timeout_s=120)
+    assert_user_error(result, "--precision fp16: only on a CUDA GPU")
