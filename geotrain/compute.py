@@ -61,10 +61,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(f"cuda:{index}")
 
 
+def has_fast_bf16(device: torch.device) -> bool:
+    """Ampere (compute capability 8.0) and newer compute in bfloat16 natively; T4 and V100 only emulate it."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def default_precision(device: torch.device) -> str:
     if device.type != "cuda":
         return "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if has_fast_bf16(device) else "fp16"
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
@@ -72,7 +77,7 @@ def resolve_precision(name: str, device: torch.device) -> str:
         return default_precision(device)
     if name == "fp16" and device.type != "cuda":
         raise UserError("--precision fp16: only on a CUDA GPU (CPUs have no fast float16); use bf16 or fp32")
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if name == "bf16" and device.type == "cuda" and not has_fast_bf16(device):
         raise UserError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no fast bfloat16; use fp16 "
                         "(with a loss scale) or fp32")
     return name
@@ -139,7 +144,8 @@ class Compute:
         if self.loss_scale is None:
             return True
         gradients = [p.grad for p in model.parameters() if p.grad is not None]
-        finite = all(bool(torch.isfinite(g).all()) for g in gradients)
+        # one wait for the GPU per micro-batch, not one per tensor
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in gradients]).all()) if gradients else True
         if finite:
             torch._foreach_mul_(gradients, 1.0 / self.loss_scale.value)
         else:
