@@ -59,6 +59,7 @@ import tarfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
+import torch.multiprocessing
 import torch.utils.data
 import webdataset as wds
 from braceexpand import UnbalancedBracesError, braceexpand  # webdataset's own brace expansion, a dependency of it
@@ -400,9 +401,15 @@ class BatchStream(torch.utils.data.IterableDataset):
 
 
 def init_worker(_worker_id: int) -> None:
-    """``worker_init_fn`` of every loader: Ctrl-C is the main process's to handle, and a worker dies with it."""
+    """``worker_init_fn`` of every loader: Ctrl-C is the main process's to handle, and a worker dies with it.
+
+    Batches go to the trainer as file descriptors (torch's default on Linux). hivemind switches the whole
+    process to the ``file_system`` strategy when it is imported, which starts a ``torch_shm_manager`` daemon
+    per worker; those outlive the worker and the trainer, so workers set their own strategy back.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 class BatchLoader:

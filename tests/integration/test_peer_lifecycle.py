@@ -76,8 +76,17 @@ def stop_and_check(swarm, process, name: str, signum: int) -> None:
     assert stop_s <= STOP_BUDGET_S, f"{name} took {stop_s:.1f} s to stop"
     assert process.returncode == 0, swarm.log(name)[-2000:]
     time.sleep(0.5)
-    survivors = [pid for pid in children if alive(pid)]
+    survivors = {pid: describe(pid) for pid in children if alive(pid)}
     assert not survivors, f"processes outlived {name}: {survivors}"
+
+
+def describe(pid: int) -> str:
+    try:
+        command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        state = next(line for line in open(f"/proc/{pid}/status") if line.startswith(("State:", "PPid:")))
+        return f"{state.strip()} {command}"
+    except OSError:
+        return "gone"
 
 
 def test_sigterm_stops_a_trainer_within_30_s_and_leaves_no_process(swarm):
