@@ -262,6 +262,10 @@ class OptimizerConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_offload(self) -> "OptimizerConfig":
+        if self.use_local_updates and self.delayed_parameter_updates:
+            raise ValueError("optimizer.use_local_updates can not be combined with optimizer.delayed_parameter_updates "
+                             "(on in the intercontinental network profile): local updates average no gradients to "
+                             "delay; pass --no-delayed-parameter-updates")
         if self.delayed_parameter_updates and not self.offload_optimizer:
             raise ValueError("optimizer.delayed_parameter_updates needs optimizer.offload_optimizer: the delayed "
                              "step runs on the offloaded copy in the background")

@@ -6,6 +6,7 @@ without ever stepping). :class:`MeasuredOptimizer` reports how each gradient ave
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 
@@ -16,8 +17,10 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from timm.optim import Lamb
 
-from geotrain.config import GeotrainConfig
+from geotrain.config import ConfigError, GeotrainConfig
 from geotrain.schedule import schedule_of
+
+logger = logging.getLogger(__name__)
 
 
 OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "lamb": Lamb}
@@ -63,6 +66,14 @@ def build_compression(name: str):
     return {"none": NoCompression, "fp16": Float16Compression, "uniform8bit": Uniform8BitQuantization}[name]()
 
 
+def _round_error(control) -> str:
+    if not control.done():
+        return "no result within the averaging timeout"
+    if control.cancelled():
+        return "cancelled"
+    return repr(control.exception())
+
+
 def averaging_round_result(control) -> str:
     """ok, timeout or failed: how one gradient averaging round (a hivemind StepControl) ended."""
     if not control.done():
@@ -92,15 +103,91 @@ class RecordingStateAverager(TrainingStateAverager):
         return result
 
 
+class LocalGradientsKeepingAverager(GradientAverager):
+    """hivemind's gradient averager that keeps this peer's own gradients of the round it started.
+
+    Why: when a gradient averaging round that has started fails (the group never forms because a peer
+    died or came late, the all-reduce times out), hivemind 1.1.12 "proceeds with local gradients", but by
+    then those are gone:
+
+    - ``GradientAverager.step`` (hivemind/optim/grad_averager.py:192-210) copies the accumulated
+      gradients into the averaged tensors, then *resets the accumulators* (``reset_accumulators=True``,
+      which ``Optimizer._begin_averaging_gradients``, optimizer.py:528-530, always passes), then lets
+      the all-reduce run in place on the averaged tensors;
+    - on failure ``Optimizer._load_local_gradients_into_optimizer`` (optimizer.py:632-639) calls
+      ``load_accumulators_into_averager_()`` again, which copies the reset accumulators, times
+      ``1 / local_times_accumulated`` (0 after the reset), over the averaged tensors.
+
+    So the peer steps with all-zero gradients: AdamW then moves only along its old momentum, and not at
+    all in the first epoch. With delayed updates the fallback runs in the background while the next
+    epoch accumulates, and picks up part of *that* epoch's gradients instead. Seen here: under CPU load a
+    trainer whose round timed out ("Averaging gradients failed with TimeoutError()", "Proceeding with
+    local gradients") had a loss of 2.14 in the next epoch while the two trainers whose round succeeded
+    had 1.53; a trainer whose first round fails keeps its initial weights (tests/integration/test_swarm.py).
+
+    This class remembers what this peer contributes to each round (its mean gradient, exactly as
+    hivemind loads it into the averaged tensors, before the all-reduce can touch them), and
+    :meth:`load_kept_gradients_into_averager_` puts it back for the fallback
+    (:meth:`MeasuredOptimizer._load_local_gradients_into_optimizer`). The copy lives in host memory next
+    to hivemind's averaged gradients: one more gradient-sized buffer, reused every round.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._kept_gradients: tuple[torch.Tensor, ...] | None = None
+        self._starting = None  # the StepControl of the round that step() is starting
+        self.kept_for = None  # the StepControl of the round whose own gradients are kept
+
+    def step(self, weight=None, reset_accumulators: bool = True, control=None, timeout=None, wait: bool = True,
+             **kwargs):
+        if control is None:  # what hivemind's step does, here so that the round's control is known beforehand
+            control = self.schedule_step(timeout=timeout, **kwargs)
+            kwargs = {}
+        self._starting = control
+        try:
+            return super().step(weight=weight, reset_accumulators=reset_accumulators, control=control,
+                                timeout=timeout, wait=wait, **kwargs)
+        finally:
+            self._starting = None
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        super().load_accumulators_into_averager_()
+        if self._starting is None:
+            return  # hivemind's own fallbacks: the accumulators were not reset, nothing to keep
+        with self.get_tensors() as averaged_gradients:  # now exactly this peer's share of the starting round
+            if self._kept_gradients is None:
+                self._kept_gradients = tuple(torch.empty_like(g, device="cpu") for g in averaged_gradients)
+            for kept, averaged in zip(self._kept_gradients, averaged_gradients):
+                kept.copy_(averaged)
+        self.kept_for, self._starting = self._starting, None
+
+    @torch.no_grad()
+    def load_kept_gradients_into_averager_(self, control) -> bool:
+        """Put this peer's own gradients of ``control``'s round back into the averaged tensors (False: none kept)."""
+        if control is None or control is not self.kept_for:
+            return False
+        with self.get_tensors() as averaged_gradients:
+            for kept, averaged in zip(self._kept_gradients, averaged_gradients):
+                averaged.copy_(kept)
+        return True
+
+
 class MeasuredOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer that reports how each gradient averaging round ended and how long it took.
 
     The duration is how long this peer waited for the round once its own gradients were ready
     (matchmaking that was still going on, then all-reduce); with delayed updates that wait runs in
     the background, next to the next epoch's compute.
+
+    When a round that had started fails, this peer steps with its own gradients of the epoch, as
+    hivemind intends, and not with the zeros hivemind 1.1.12 loads there (see
+    :class:`LocalGradientsKeepingAverager`). It says so in the log: that epoch, its parameters moved
+    apart from the others' until the next state averaging round.
     """
 
     on_averaging_round = None  # callable(result, duration_s)
+    _round_being_used = None  # the StepControl whose results _average_gradients_and_load_into_optimizer uses
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         # the same construction as hivemind's, with the class that records the downloaded epoch
@@ -110,17 +197,46 @@ class MeasuredOptimizer(hivemind.Optimizer):
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         started = time.perf_counter()
-        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        if maybe_step_control is not None and self.on_averaging_round is not None:
-            self.on_averaging_round(averaging_round_result(maybe_step_control), time.perf_counter() - started)
+        self._round_being_used = maybe_step_control
+        try:
+            super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        finally:
+            self._round_being_used = None
+        if maybe_step_control is None:
+            return
+        result = averaging_round_result(maybe_step_control)
+        duration_s = time.perf_counter() - started
+        if result != "ok":
+            logger.warning("gradient averaging round %s after %.1f s; this peer stepped with its own gradients "
+                           "of the epoch (%s)", "timed out" if result == "timeout" else "failed", duration_s,
+                           _round_error(maybe_step_control))
+        if self.on_averaging_round is not None:
+            self.on_averaging_round(result, duration_s)
+
+    def _load_local_gradients_into_optimizer(self):
+        """hivemind's fallback to local gradients, with this peer's kept gradients when its round had started."""
+        averager = self.grad_averager
+        if (isinstance(averager, LocalGradientsKeepingAverager)
+                and averager.load_kept_gradients_into_averager_(self._round_being_used)):
+            self._load_averaged_gradients_into_optimizer_()  # from the averaged tensors on, as hivemind does
+            return
+        super()._load_local_gradients_into_optimizer()  # the accumulators were not reset: hivemind's way is right
 
 
 def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module, on_averaging_round=None):
     """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped)."""
     opt = config.optimizer
     delayed = opt.delayed_parameter_updates
-    # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory
-    grad_averager_factory = partial(GradientAverager, request_timeout=opt.request_timeout_s)
+    local_updates = opt.use_local_updates
+    if local_updates and delayed:
+        # hivemind: local updates average no gradients (no delay_grad_averaging), and a delayed step needs the
+        # offloaded optimizer, which local updates can not use (see below)
+        raise ConfigError("optimizer.use_local_updates can not be combined with optimizer.delayed_parameter_updates "
+                          "(on in the intercontinental network profile); pass --no-delayed-parameter-updates")
+    # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory.
+    # With local updates there is no gradient averager, and hivemind refuses a factory for one.
+    grad_averager_factory = None if local_updates else partial(LocalGradientsKeepingAverager,
+                                                               request_timeout=opt.request_timeout_s)
     optimizer = MeasuredOptimizer(
         dht=dht,
         run_id=config.swarm.run_id,
@@ -131,7 +247,9 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         scheduler=build_scheduler_factory(config),
         # an fp32 copy of the parameters and the optimizer state in host (shared) memory: the GPU holds only
         # the model and its gradients; needed for delayed updates, which step in the background
-        offload_optimizer=opt.offload_optimizer,
+        # ... but not with local updates: hivemind's offloaded optimizer steps on gradients that only gradient
+        # averaging puts there, so each local step would apply none (hivemind's own default is off there too)
+        offload_optimizer=opt.offload_optimizer and not local_updates,
         matchmaking_time=opt.matchmaking_time_s,
         averaging_timeout=opt.averaging_timeout_s,
         load_state_timeout=opt.load_state_timeout_s,
@@ -139,7 +257,7 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         client_mode=config.swarm.client_mode,
         delay_optimizer_step=delayed,
         delay_grad_averaging=delayed,
-        use_local_updates=opt.use_local_updates,
+        use_local_updates=local_updates,
         average_state_every=opt.average_state_every,
         grad_compression=build_compression(opt.grad_compression),
         grad_averager_factory=grad_averager_factory,

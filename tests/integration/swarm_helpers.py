@@ -23,10 +23,13 @@ def geotrain(*arguments: str, timeout_s: float = 300, cwd: Path | None = None) -
                           timeout=timeout_s, cwd=cwd, stdin=subprocess.DEVNULL)
 
 
-def spawn(*arguments: str, log_path: Path) -> subprocess.Popen:
+def spawn(*arguments: str, log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A geotrain process in a session of its own (``os.killpg(process.pid, ...)`` reaches all of its children);
+    ``env``: variables added to this process's environment."""
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", "geotrain", *arguments], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=None if env is None else {**os.environ, **env})
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.3):
@@ -77,13 +80,14 @@ class Swarm:
         self.initial_peers = peers_file.read_text().split()
         return self.initial_peers
 
-    def start_trainer(self, name: str, *arguments: str) -> tuple[subprocess.Popen, Path]:
+    def start_trainer(self, name: str, *arguments: str, env: dict[str, str] | None = None
+                      ) -> tuple[subprocess.Popen, Path]:
         events = self.directory / f"{name}.jsonl"
         command = ["peer", "--events", str(events), "--threads", "1", "--network-profile", "loopback",
                    "--preemption", "signal"]
         for address in self.initial_peers:
             command += ["--initial-peers", address]
-        process = spawn(*command, *arguments, log_path=self.directory / f"{name}.log")
+        process = spawn(*command, *arguments, log_path=self.directory / f"{name}.log", env=env)
         self.processes.append(process)
         return process, events
 
