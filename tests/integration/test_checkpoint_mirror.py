@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from geotrain.checkpoint import CheckpointStore
-from s3_server import S3Server
 
 try:
     import s3fs
@@ -22,17 +21,6 @@ except ImportError as missing:
 pytestmark = pytest.mark.integration
 
 MIRROR_URL = "s3://geotrain-checkpoints/run1"
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("moto") / "moto.log")
-    try:
-        server.start()
-    except RuntimeError as error:
-        pytest.fail(f"cannot start the S3 test server: {error}", pytrace=False)
-    yield server
-    server.stop()
 
 
 @pytest.fixture

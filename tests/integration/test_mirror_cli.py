@@ -19,7 +19,6 @@ import pytest
 import yaml
 
 from geotrain.events import read_events
-from s3_server import S3Server
 from swarm_helpers import FAST_SWARM, geotrain, wait_for
 
 try:
@@ -33,17 +32,6 @@ pytestmark = pytest.mark.integration
 BUCKET = "geotrain-cli"
 MIRROR_URL = f"s3://{BUCKET}/run"
 REGION = "eu-west-1"  # see S3Server.storage_options: an explicit region spares botocore a metadata look-up
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("moto") / "moto.log")
-    try:
-        server.start()
-    except RuntimeError as error:
-        pytest.fail(f"cannot start the S3 test server: {error}", pytrace=False)
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -30,12 +30,7 @@ SHAPES = {"cv": {"images": (BATCH_SIZE, 3, 32, 32), "labels": (BATCH_SIZE,)},
                   "target_lengths": (BATCH_SIZE,)}}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()  # see test_tasks.py: spinning OpenMP threads slow a busy machine down
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _task(name: str, source: str, path: str | None, preset: str = "tiny"):

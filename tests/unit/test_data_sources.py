@@ -23,12 +23,7 @@ from geotrain.tasks import build_task
 from geotrain.tasks.data import DataSourceError, ShardStream, expand_braces, stream_shards
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()  # see test_tasks.py: spinning OpenMP threads slow a busy machine down
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _task(name: str, source: str, path: str, **data):

@@ -17,14 +17,7 @@ TASK_NAMES = ("cv", "nlp", "asr")  # the learning tasks; "emulated" (compute emu
 TRAINING = {"cv": (3e-3, 30), "nlp": (3e-3, 100), "asr": (3e-3, 60)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models gain nothing from a second thread, and on a busy CI machine OpenMP threads that spin-wait
-    # for each other make each step many times slower
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _task(name: str, preset: str = "tiny", seed: int = 0, **data):
