@@ -17,7 +17,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from timm.optim import Lamb
 
-from geotrain.config import ConfigError, GeotrainConfig
+from geotrain.config import GeotrainConfig
 from geotrain.schedule import schedule_of
 
 logger = logging.getLogger(__name__)
@@ -228,11 +228,7 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     opt = config.optimizer
     delayed = opt.delayed_parameter_updates
     local_updates = opt.use_local_updates
-    if local_updates and delayed:
-        # hivemind: local updates average no gradients (no delay_grad_averaging), and a delayed step needs the
-        # offloaded optimizer, which local updates can not use (see below)
-        raise ConfigError("optimizer.use_local_updates can not be combined with optimizer.delayed_parameter_updates "
-                          "(on in the intercontinental network profile); pass --no-delayed-parameter-updates")
+    # (local updates with delayed updates is refused by the config: OptimizerConfig._check_offload)
     # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory.
     # With local updates there is no gradient averager, and hivemind refuses a factory for one.
     grad_averager_factory = None if local_updates else partial(LocalGradientsKeepingAverager,

@@ -36,10 +36,6 @@ from geotrain.pricing.price_book import PriceBook, catalog_cloud
 BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB
 SECONDS_PER_HOUR = 3600.0
 
-# monitoring tests wait for this: the coordinator exports the swarm view on --metrics-port
-SWARM_METRICS_READY = True
-
-
 @dataclass
 class SwarmSnapshot:
     peers: int = 0
