@@ -140,17 +140,20 @@ class Compute:
         return loss if self.loss_scale is None else loss * self.loss_scale.value
 
     def unscale_gradients(self, model: torch.nn.Module) -> bool:
-        """Undo the loss scale on the model's gradients; False (gradients cleared) when they overflowed."""
-        if self.loss_scale is None:
-            return True
+        """Undo the loss scale on the model's gradients (fp16); False (gradients cleared) when any is not finite.
+
+        In every precision: a peer never hands the swarm non-finite gradients (an fp16 overflow, a failing
+        GPU); the micro-batch is dropped by this peer alone.
+        """
         gradients = [p.grad for p in model.parameters() if p.grad is not None]
         # one wait for the GPU per micro-batch, not one per tensor
         finite = bool(torch.stack([torch.isfinite(g).all() for g in gradients]).all()) if gradients else True
-        if finite:
-            torch._foreach_mul_(gradients, 1.0 / self.loss_scale.value)
-        else:
+        if not finite:
             model.zero_grad(set_to_none=True)
-        self.loss_scale.update(finite)
+        elif self.loss_scale is not None:
+            torch._foreach_mul_(gradients, 1.0 / self.loss_scale.value)
+        if self.loss_scale is not None:
+            self.loss_scale.update(finite)
         return finite
 
     # --- memory -------------------------------------------------------------------------------

@@ -188,6 +188,22 @@ class SwarmConfig(_Strict):
     identity_path: Path | None = Field(None, description="Private key file; keeps the peer id across restarts.")
     client_mode: bool = Field(False, description="Dial out only (behind NAT without open ports).")
     bootstrap_timeout_s: float = Field(30.0, gt=0, description="How long to wait for an initial peer to answer.")
+    token_file: Path | None = Field(
+        None, description="A private swarm: a file holding the swarm's secret token (or set GEOTRAIN_SWARM_TOKEN); "
+                          "peers without it get no DHT answers, no averaging and no state.")
+    allow: list[str] = Field(
+        default_factory=list, description="Peer ids admitted to averaging and state downloads (geotrain identity "
+                                          "prints a peer's id); empty: every peer (with the token, if one is set).")
+    allow_file: Path | None = Field(None, description="A file of admitted peer ids, one per line (# comments).")
+
+    @model_validator(mode="after")
+    def _check_allowed_peer_ids(self) -> "SwarmConfig":
+        for peer_id in self.allow:
+            problem = peer_id_problem(peer_id)
+            if problem is not None:
+                raise ValueError(f"swarm.allow: {peer_id!r} is not a peer id ({problem}); "
+                                 "`geotrain identity FILE` prints a peer's id")
+        return self
 
     @model_validator(mode="after")
     def _check_initial_peers(self) -> "SwarmConfig":
@@ -471,6 +487,28 @@ class TrainingConfig(_Strict):
         60.0, gt=0, description="At max_epochs, how long trainers try to agree on one final state.")
 
 
+class GuardConfig(_Strict):
+    """What every peer checks so that one bad peer cannot break the swarm (docs/security.md)."""
+
+    contribution_norm_factor: float = Field(
+        30.0, gt=1, description="Refuse a peer's gradient part whose L2 norm is over this many times this peer's own "
+                                "for the same part (a gradient scaled up, by a fault or on purpose).")
+    max_claimed_batches: float = Field(
+        2.0, ge=1, description="A peer may claim at most this many target batches of samples as its averaging "
+                               "weight in one round.")
+    ban_s: float = Field(600.0, ge=0, description="A peer whose contribution was refused is left out of this peer's "
+                                                  "averaging groups for this long.")
+    step_norm_factor: float = Field(
+        10.0, gt=1, description="Skip a step whose averaged gradient norm is over this many times the median of the "
+                                "last steps' (every peer sees the same average, so every peer skips it).")
+    step_norm_window: int = Field(16, ge=4, description="Steps in that median; the check starts after 4.")
+    keep_last_good_parameters: bool = Field(
+        True, description="Keep a host-memory copy of the parameters of the last finite step and restore it if a "
+                          "step or a downloaded state brings non-finite ones (one parameter-sized copy).")
+    max_concurrent_downloads: int = Field(4, ge=1, description="State downloads this peer serves at once; more are "
+                                                               "sent on to other donors.")
+
+
 class GeotrainConfig(_Strict):
     swarm: SwarmConfig = Field(default_factory=SwarmConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -480,6 +518,7 @@ class GeotrainConfig(_Strict):
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
     @model_validator(mode="after")
     def _check_schedule_horizon(self) -> "GeotrainConfig":

@@ -40,6 +40,7 @@ from geotrain.hive.dht import start_dht, visible_addresses
 from geotrain.hive.finalize import agree_on_final_state
 from geotrain.hive.keys import announce_trainer, announced_trainers, best_donor_epoch, read_progress
 from geotrain.hive.leave import leave_swarm
+from geotrain.hive.guard import GuardReport
 from geotrain.hive.optimizer import build_hivemind_optimizer
 from geotrain.hive.state import current_learning_rate, parameters_sha256
 from geotrain.lifecycle import Stopper
@@ -146,7 +147,10 @@ class Trainer:
         self.events.write("joined", peer_id=peer_id, metrics_port=metrics_port, parameters=parameters,
                           data_seed=data_seed, device=str(compute.device), precision=compute.precision)
 
-        optimizer = build_hivemind_optimizer(config, dht, model, on_averaging_round=self.metrics.averaging_round)
+        self.guard_report = GuardReport(config.training.events_path)
+        self.metrics.watch_guard(self.guard_report)
+        optimizer = build_hivemind_optimizer(config, dht, model, on_averaging_round=self.metrics.averaging_round,
+                                             guard_report=self.guard_report)
         stopper.reclaim_signals()  # hivemind's averagers set SIGINT to SIG_IGN in this process
         self.reporter = MetricsReporter(dht, config.swarm.run_id, "trainer", config.metrics, self.progress, self.metrics)
         self.reporter.start()
@@ -279,8 +283,15 @@ class Trainer:
             finite = compute.unscale_gradients(model)
             loss_value = float(loss.detach())  # waits for the GPU: compute time is compute time
             comm_started = time.perf_counter()
-            if not finite:  # fp16 overflow: this micro-batch adds nothing to the swarm's gradients
-                epoch_totals.overflows += 1
+            if not finite:  # fp16 overflow, or worse: this micro-batch adds nothing to the swarm's gradients
+                if compute.loss_scale is None:
+                    logger.warning("non-finite gradients in this micro-batch (loss %s); dropped, not sent to the "
+                                   "swarm", loss_value)
+                    self.guard_report.count("microstep", "non-finite")
+                    self.events.write("microstep_skipped", peer_id=peer_id, epoch=epoch, reason="non-finite",
+                                      loss=loss_value if math.isfinite(loss_value) else str(loss_value))
+                else:
+                    epoch_totals.overflows += 1
                 epoch_totals.data_s += compute_started - data_started
                 epoch_totals.compute_s += comm_started - compute_started
                 continue

@@ -16,6 +16,8 @@ from hivemind.optim.progress_tracker import TrainingProgressSchema
 from geotrain.config import SwarmConfig
 from geotrain.errors import SwarmUnreachableError, UserError
 from geotrain.ports import ensure_port_free
+from geotrain.hive.admission import (Admission, MembershipAnnouncer, SwarmTokenAuthorizer, load_allowed_peer_ids,
+                                     load_swarm_token)
 from geotrain.hive.metric_records import MetricsSchema
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ def start_dht(swarm: SwarmConfig):
     """Start this peer's DHT node; raise a :class:`~geotrain.errors.UserError` or
     :class:`SwarmUnreachableError` with an operator's message."""
     ensure_port_free(swarm.host, swarm.port, "DHT", "--port")
+    token = load_swarm_token(swarm)  # an unreadable or short token: exit 2 before anything starts
+    admission = Admission(swarm.run_id, token, load_allowed_peer_ids(swarm))
     if swarm.identity_path is not None:
         swarm.identity_path.parent.mkdir(parents=True, exist_ok=True)
     dht = hivemind.DHT(
@@ -44,6 +48,7 @@ def start_dht(swarm: SwarmConfig):
         identity_path=str(swarm.identity_path) if swarm.identity_path else None,
         client_mode=swarm.client_mode,
         record_validators=record_validators(swarm.run_id),
+        authorizer=None if token is None else SwarmTokenAuthorizer(token),
         start=True,
         await_ready=False,
     )
@@ -61,12 +66,20 @@ def start_dht(swarm: SwarmConfig):
         if "none of the initial_peers responded" in message or "failed to connect to bootstrap peers" in message:
             raise SwarmUnreachableError(
                 f"none of the initial peers answered ({', '.join(swarm.initial_peers)}); check that the "
-                "coordinator is running and that its TCP port is open from this machine") from None
+                "coordinator is running and that its TCP port is open from this machine"
+                + ("; this peer has a swarm token: check that it is the swarm's" if token is not None else
+                   "; if the swarm is private, this peer needs its token (swarm.token_file)")) from None
         if "already taken" in message:
             raise ListenError(
                 f"the identity in {swarm.identity_path} is already used by a running peer; each peer needs its "
                 "own identity file") from None
         raise SwarmUnreachableError(f"could not start the DHT node: {message}") from None
+    if token is not None:
+        announcer = MembershipAnnouncer(dht, admission)
+        if not announcer.announce() and swarm.initial_peers:
+            logger.warning("could not store this peer's membership proof yet; retrying every %.0f s",
+                           announcer.interval_s)
+        announcer.start()
     return dht
 
 

@@ -18,6 +18,9 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from timm.optim import Lamb
 
 from geotrain.config import GeotrainConfig
+from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm_token
+from geotrain.hive.guard import GuardedAveragerMixin, GuardReport
+from geotrain.hive.step_guard import StepGuard, all_finite
 from geotrain.schedule import schedule_of
 
 logger = logging.getLogger(__name__)
@@ -43,11 +46,31 @@ def with_gradient_clipping(optimizer_class: type, max_norm: float) -> type:
     return Clipped
 
 
-def build_torch_optimizer_factory(config: GeotrainConfig):
+def with_step_guard(optimizer_class: type, guard: StepGuard) -> type:
+    """``optimizer_class`` whose step is checked by ``guard`` (:mod:`geotrain.hive.step_guard`): a step with a
+    non-finite or outlying averaged gradient is skipped, and non-finite parameters after a step are restored."""
+
+    class Guarded(optimizer_class):
+        @torch.no_grad()
+        def step(self, closure=None):
+            parameters = [p for group in self.param_groups for p in group["params"]]
+            if not guard.allows_step([p.grad for p in parameters if p.grad is not None]):
+                return None
+            result = super().step(closure)
+            guard.after_step(parameters, self)
+            return result
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{optimizer_class.__name__}"
+    return Guarded
+
+
+def build_torch_optimizer_factory(config: GeotrainConfig, step_guard: StepGuard | None = None):
     opt = config.optimizer
     optimizer_class = OPTIMIZER_CLASSES[opt.optimizer]
     if opt.grad_clip_norm is not None:
         optimizer_class = with_gradient_clipping(optimizer_class, opt.grad_clip_norm)
+    if step_guard is not None:  # outermost: it sees the averaged gradients before clipping hides their norm
+        optimizer_class = with_step_guard(optimizer_class, step_guard)
     options = {"lr": opt.learning_rate, "weight_decay": opt.weight_decay}
     if opt.optimizer == "sgd":
         options["momentum"] = 0.9
@@ -94,13 +117,39 @@ class RecordingStateAverager(TrainingStateAverager):
     """
 
     loaded_epoch: int | None = None
+    guard_report: GuardReport | None = None
 
     def load_state_from_peers(self, *args, **kwargs):
         epoch_before = self.local_epoch
+        parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            kept = [p.detach().clone() for p in parameters]  # what this peer had, should the state be poisoned
         result = super().load_state_from_peers(*args, **kwargs)
+        if self.local_epoch != epoch_before and not self._loaded_state_is_finite(parameters):
+            self._restore(parameters, kept, epoch_before)
+            return None
         if self.local_epoch != epoch_before:
             self.loaded_epoch = self.local_epoch
         return result
+
+    def _loaded_state_is_finite(self, parameters) -> bool:
+        statistics = [value for state in self.optimizer.state.values() for value in state.values()
+                      if isinstance(value, torch.Tensor) and value.is_floating_point()]
+        return all_finite(parameters) and all_finite(statistics)
+
+    @torch.no_grad()
+    def _restore(self, parameters, kept, epoch_before: int) -> None:
+        for parameter, old in zip(parameters, kept):
+            parameter.copy_(old)
+        self.optimizer.state.clear()  # torch optimizers start their statistics afresh on the next step
+        if self.offload_optimizer:
+            self._apply_optimizer_parameters_()
+        self.local_epoch = epoch_before
+        logger.warning("refused the downloaded state of epoch %s: it holds non-finite values; this peer keeps its "
+                       "own parameters (optimizer statistics reset) and trains on", self.loaded_epoch or "?")
+        if self.guard_report is not None:
+            self.guard_report.count("parameters", "non-finite in loaded state")
+            self.guard_report.event("state_refused", peer_id=self.peer_id.to_base58(), reason="non-finite")
 
 
 class LocalGradientsKeepingAverager(GradientAverager):
@@ -189,11 +238,17 @@ class MeasuredOptimizer(hivemind.Optimizer):
     on_averaging_round = None  # callable(result, duration_s)
     _round_being_used = None  # the StepControl whose results _average_gradients_and_load_into_optimizer uses
 
+    state_averager_class: type = RecordingStateAverager
+
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        # the same construction as hivemind's, with the class that records the downloaded epoch
-        averager = super()._make_state_averager(**kwargs)
-        averager.__class__ = RecordingStateAverager
-        return averager
+        # hivemind's construction (hivemind/optim/optimizer.py:283-298) with geotrain's class: its checks must
+        # be in the class when the averager's process forks, at construction
+        return self.state_averager_class(
+            dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         started = time.perf_counter()
@@ -223,22 +278,47 @@ class MeasuredOptimizer(hivemind.Optimizer):
         super()._load_local_gradients_into_optimizer()  # the accumulators were not reset: hivemind's way is right
 
 
-def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module, on_averaging_round=None):
-    """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped)."""
+def guarded(averager_class: type, admission: Admission, report: GuardReport, config: GeotrainConfig) -> type:
+    """``averager_class`` with the checks of :class:`~geotrain.hive.guard.GuardedAveragerMixin`, configured."""
+    max_weight = config.guard.max_claimed_batches * config.optimizer.target_batch_size + \
+        config.optimizer.batch_size_per_step
+    return type(f"Guarded{averager_class.__name__}", (GuardedAveragerMixin, averager_class),
+                {"guard_admission": admission, "guard_report": report, "guard_config": config.guard,
+                 "guard_max_weight": float(max_weight)})
+
+
+def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module, on_averaging_round=None,
+                             grad_averager_class: type | None = None, guard_report: GuardReport | None = None):
+    """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped).
+
+    Both averagers check their callers and what they receive (:mod:`geotrain.hive.guard`), the torch optimizer
+    checks each step (:mod:`geotrain.hive.step_guard`); refusals go to ``guard_report``.
+    ``grad_averager_class``: a GradientAverager subclass used as given, without the checks (tests of hostile
+    peers pass their own).
+    """
     opt = config.optimizer
+    report = guard_report if guard_report is not None else GuardReport(None)
+    admission = Admission(config.swarm.run_id, load_swarm_token(config.swarm), load_allowed_peer_ids(config.swarm))
+    if grad_averager_class is None:
+        grad_averager_class = guarded(LocalGradientsKeepingAverager, admission, report, config)
+    state_averager_class = guarded(RecordingStateAverager, admission, report, config)
+    state_averager_class.guard_report = report
+    optimizer_class = type("GuardedMeasuredOptimizer", (MeasuredOptimizer,),
+                           {"state_averager_class": state_averager_class})
+    step_guard = StepGuard(config.guard, report, peer_id=str(dht.peer_id))
     delayed = opt.delayed_parameter_updates
     local_updates = opt.use_local_updates
     # (local updates with delayed updates is refused by the config: OptimizerConfig._check_offload)
     # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory.
     # With local updates there is no gradient averager, and hivemind refuses a factory for one.
-    grad_averager_factory = None if local_updates else partial(LocalGradientsKeepingAverager,
+    grad_averager_factory = None if local_updates else partial(grad_averager_class,
                                                                request_timeout=opt.request_timeout_s)
-    optimizer = MeasuredOptimizer(
+    optimizer = optimizer_class(
         dht=dht,
         run_id=config.swarm.run_id,
         target_batch_size=opt.target_batch_size,
         batch_size_per_step=opt.batch_size_per_step,
-        optimizer=build_torch_optimizer_factory(config),
+        optimizer=build_torch_optimizer_factory(config, step_guard),
         params=model.parameters(),
         scheduler=build_scheduler_factory(config),
         # an fp32 copy of the parameters and the optimizer state in host (shared) memory: the GPU holds only

@@ -15,6 +15,7 @@ import errno
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                start_http_server)
+from prometheus_client.core import CounterMetricFamily
 
 from geotrain.config import MetricsConfig
 from geotrain.errors import UserError
@@ -123,6 +124,11 @@ class PeerMetrics(_Metrics):
         self.compute_info = gauge("geotrain_compute_info", "1, labelled with where and how this peer computes",
                                   ("device", "precision"))
 
+    def watch_guard(self, report) -> None:
+        """Export the guard's refusals (:class:`geotrain.hive.guard.GuardReport`), counted in every process of
+        this peer, as ``geotrain_guard_refusals_total{what,reason}``."""
+        self.registry.register(_GuardCollector(report, self._labels))
+
     def set_compute(self, device: str, precision: str) -> None:
         """Which device and precision this peer trains with (one series, value 1)."""
         self.set_series(self.compute_info, ("device", "precision"), {(device, precision): 1.0})
@@ -130,6 +136,27 @@ class PeerMetrics(_Metrics):
     def averaging_round(self, result: str, duration_s: float) -> None:
         self.labelled(self.averaging_rounds, result=result).inc()
         self.averaging_duration.observe(duration_s)
+
+
+class _GuardCollector:
+    def __init__(self, report, labels: dict[str, str]):
+        self.report = report
+        self.labels = labels
+
+    def describe(self):
+        return [self._family()]
+
+    def _family(self):
+        return CounterMetricFamily(
+            "geotrain_guard_refusals", "What this peer refused from other peers or skipped itself, by what "
+            "(contribution, join_group, aggregate, download_state, step, microstep, parameters) and reason",
+            labels=[*self.labels, "what", "reason"])
+
+    def collect(self):
+        family = self._family()
+        for (what, reason), count in self.report.counts().items():
+            family.add_metric([*self.labels.values(), what, reason], count)
+        yield family
 
 
 class SwarmMetrics(_Metrics):

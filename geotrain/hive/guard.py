@@ -1,0 +1,247 @@
+"""What every peer checks so that one bad peer cannot break the swarm (docs/security.md).
+
+hivemind's all-reduce splits the gradient vector into parts; each peer of a group *reduces* one span of
+them: it receives every group member's tensor for each of its parts, takes the weighted mean (weights are
+what each sender says it accumulated) and sends the mean back. hivemind trusts both the values and the
+weights. Here, a peer's averagers (:class:`GuardedAveragerMixin`) check every part a remote sender
+streams to them before hivemind's reducer sees it (:func:`contribution_refusal`):
+
+- non-finite values (an fp16 overflow, a failing GPU, malice),
+- an L2 norm over ``guard.contribution_norm_factor`` times this peer's own gradient for the same part,
+- a weight over ``guard.max_claimed_batches`` target batches (more samples than any peer processes in
+  one round).
+
+A refused sender is dropped from the round by hivemind's own mechanism (an exception while its stream is
+read: hivemind bans it and averages the others), named in the events (``contribution_refused``) and the
+log, and left out of this peer's groups for ``guard.ban_s``: its join requests are refused, and this peer
+does not join a group it leads. Callers that the private swarm does not admit
+(:mod:`geotrain.hive.admission`) are refused the same way (``request_refused``), as are state downloads
+beyond ``guard.max_concurrent_downloads``.
+
+Cost: every received part is decompressed once more for the check (one pass over the bytes this peer
+reduces, next to the all-reduce's own), and the refused sender's round is lost for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+
+logger = logging.getLogger(__name__)
+
+# what the guard counts (Prometheus: geotrain_guard_refusals_total{what,reason}); index into a shared array
+COUNTED = (
+    ("contribution", "non-finite"), ("contribution", "norm"), ("contribution", "weight"),
+    ("join_group", "not admitted"), ("join_group", "banned"), ("aggregate", "not admitted"), ("aggregate", "banned"),
+    ("download_state", "not admitted"), ("download_state", "busy"),
+    ("step", "non-finite"), ("step", "norm"), ("microstep", "non-finite"),
+    ("parameters", "non-finite after step"), ("parameters", "non-finite in loaded state"),
+)
+
+
+class ContributionRefused(Exception):
+    """A remote sender's gradient part failed a check; raised inside hivemind's reading of its stream."""
+
+
+class GuardReport:
+    """Where refusals go: the log, the peer's events file and counters shared with the peer's main process.
+
+    hivemind's averagers run in processes of their own (forked from the peer), so the counters live in
+    shared memory made before they start, and each process appends its own lines to the events file.
+    """
+
+    def __init__(self, events_path: Path | None):
+        self.events_path = None if events_path is None else Path(events_path)
+        self._counts = multiprocessing.Array("q", len(COUNTED), lock=True)
+
+    def count(self, what: str, reason: str) -> None:
+        index = COUNTED.index((what, reason))
+        with self._counts.get_lock():
+            self._counts[index] += 1
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        with self._counts.get_lock():
+            return {key: int(value) for key, value in zip(COUNTED, self._counts[:])}
+
+    def event(self, event: str, **fields) -> None:
+        if self.events_path is None:
+            return
+        try:
+            with open(self.events_path, "a") as handle:  # one write per line: lines of processes never interleave
+                handle.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+        except OSError as error:
+            logger.debug("event %s not written: %s", event, error)
+
+
+def contribution_refusal(part: torch.Tensor, weight: float, own_part: torch.Tensor | None, norm_factor: float,
+                         max_weight: float) -> tuple[str, str] | None:
+    """(reason, detail) when a remote gradient part must not enter the average, else None.
+
+    ``own_part``: this peer's own (mean) gradient for the same part, the scale an honest part has; None
+    when this peer contributes nothing to the round (then only finiteness and the weight are checked).
+    """
+    if not (weight == weight) or weight < 0 or weight > max_weight:  # NaN weights included
+        return "weight", f"claimed weight {weight:.4g} (at most {max_weight:.4g} samples per round)"
+    if not bool(torch.isfinite(part).all()):
+        return "non-finite", "non-finite values in its gradient"
+    if own_part is not None:
+        own_norm = float(own_part.float().norm())
+        if own_norm > 0:
+            norm = float(part.float().norm())
+            if norm > norm_factor * own_norm:
+                return "norm", f"gradient part norm {norm:.4g}, {norm / own_norm:.3g}x this peer's own {own_norm:.4g}"
+    return None
+
+
+class GuardedAveragerMixin:
+    """Checks for a hivemind DecentralizedAverager subclass (put first in the bases).
+
+    Set before the averager starts (its process forks with them): ``guard_admission``
+    (:class:`~geotrain.hive.admission.Admission`), ``guard_report`` (:class:`GuardReport`),
+    ``guard_config`` (:class:`~geotrain.config.GuardConfig`) and ``guard_max_weight``.
+    """
+
+    guard_admission = None
+    guard_report: GuardReport | None = None
+    guard_config = None
+    guard_max_weight = float("inf")
+
+    # --- whom to serve --------------------------------------------------------------------------------
+    def _guard_banned(self) -> dict[str, float]:
+        banned = self.__dict__.get("_guard_banned_until")
+        if banned is None:
+            banned = self.__dict__["_guard_banned_until"] = {}
+        return banned
+
+    def guard_is_banned(self, peer_id) -> bool:
+        until = self._guard_banned().get(peer_id.to_base58())
+        return until is not None and until > time.monotonic()
+
+    def _guard_ban(self, peer_id) -> None:
+        banned = self._guard_banned()
+        if len(banned) > 10_000:
+            now = time.monotonic()
+            for name in [name for name, until in banned.items() if until <= now]:
+                del banned[name]
+        banned[peer_id.to_base58()] = time.monotonic() + self.guard_config.ban_s
+
+    async def _guard_refusal(self, peer_id, request: str) -> str | None:
+        if self.guard_is_banned(peer_id):
+            return "banned"
+        admission = self.guard_admission
+        if admission is not None and not admission.is_open and not await admission.admits(peer_id, self.dht):
+            return "not admitted"
+        return None
+
+    def _guard_refuse_request(self, peer_id, request: str, reason: str) -> None:
+        report = self.guard_report
+        if report is not None:
+            report.count(request, reason)
+            if reason != "banned":  # a banned peer was named when it was banned
+                report.event("request_refused", peer_id=self.peer_id.to_base58(), from_peer=peer_id.to_base58(),
+                             request=request, reason=reason)
+        logger.warning("refused %s from %s: %s", request.replace("_", " "), peer_id, reason)
+
+    # --- hivemind's handlers, checked -----------------------------------------------------------------
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        reason = await self._guard_refusal(context.remote_id, "join_group")
+        if reason is not None:
+            self._guard_refuse_request(context.remote_id, "join_group", reason)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        reason = await self._guard_refusal(context.remote_id, "download_state")
+        if reason == "banned":
+            reason = None  # a peer whose gradients were refused may still catch up from us
+        limit = self.guard_config.max_concurrent_downloads if self.guard_config is not None else None
+        active = self.__dict__.get("_guard_downloads", 0)
+        if reason is None and limit is not None and active >= limit:
+            reason = "busy"
+        if reason is not None:
+            self._guard_refuse_request(context.remote_id, "download_state", reason)
+            return  # an empty answer: hivemind's client goes on to the next donor
+        self.__dict__["_guard_downloads"] = active + 1
+        try:
+            async for response in super().rpc_download_state(request, context):
+                yield response
+        finally:
+            self.__dict__["_guard_downloads"] -= 1
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        reason = await self._guard_refusal(context.remote_id, "aggregate")
+        if reason is not None:
+            self._guard_refuse_request(context.remote_id, "aggregate", reason)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_aggregate_part(self._guard_checked(stream, context.remote_id), context):
+            yield response
+
+    async def _guard_checked(self, stream, sender):
+        """The sender's stream of parts, each checked before hivemind's reducer reads it."""
+        runner = None
+        part_index = 0
+        async for message in stream:
+            if runner is None and message.group_id:
+                if message.group_id not in self._running_groups:
+                    await self._pending_groups_registered.wait()
+                future = self._running_groups.get(message.group_id)
+                runner = await future if future is not None else None
+            if message.code == averaging_pb2.PART_FOR_AVERAGING or message.tensor_part.buffer:
+                own_parts = getattr(runner, "parts_for_local_averaging", None)
+                own = None
+                if own_parts is not None and part_index < len(own_parts) and getattr(runner, "weight", 0) > 0:
+                    own = own_parts[part_index]
+                part = deserialize_torch_tensor(message.tensor_part)
+                refusal = contribution_refusal(part, message.weight, own, self.guard_config.contribution_norm_factor,
+                                               self.guard_max_weight)
+                if refusal is not None:
+                    self._guard_refuse_contribution(sender, *refusal)
+                    raise ContributionRefused(f"{sender}: {refusal[1]}")
+                part_index += 1
+            yield message
+
+    def _guard_refuse_contribution(self, sender, reason: str, detail: str) -> None:
+        self._guard_ban(sender)
+        report = self.guard_report
+        if report is not None:
+            report.count("contribution", reason)
+            report.event("contribution_refused", peer_id=self.peer_id.to_base58(), from_peer=sender.to_base58(),
+                         reason=reason, detail=detail, banned_s=self.guard_config.ban_s)
+        logger.warning("refused the gradients of %s (%s); it is left out of this peer's averaging for %.0f s",
+                       sender, detail, self.guard_config.ban_s)
+
+    # --- not joining a group that a banned peer leads ---------------------------------------------------
+    @property
+    def _matchmaking(self):
+        try:
+            return self.__dict__["_guarded_matchmaking"]
+        except KeyError:
+            raise AttributeError("_matchmaking") from None
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking):
+        request_join_group = matchmaking._request_join_group
+        averager = self
+
+        async def _request_join_group_unless_banned(leader):
+            if averager.guard_is_banned(leader):
+                return None  # hivemind goes on to the next potential leader
+            return await request_join_group(leader)
+
+        matchmaking._request_join_group = _request_join_group_unless_banned
+        self.__dict__["_guarded_matchmaking"] = matchmaking

@@ -1,0 +1,94 @@
+"""Checks of each optimizer step on the swarm's averaged gradients, and of the parameters after it.
+
+hivemind runs the torch optimizer on the *averaged* gradients, which every peer of a group receives
+alike; so a check there decides the same on every peer that took part in the round:
+
+- a non-finite averaged gradient skips the step;
+- so does one whose L2 norm is over ``guard.step_norm_factor`` times the median of the last
+  ``guard.step_norm_window`` applied steps' (a poisoned round that got past the contribution checks, e.g.
+  from a peer that reduced a part of the vector); the check starts once 4 steps are known, so a newcomer's
+  first steps are not checked;
+- non-finite parameters after a step (an overflow inside the optimizer) are replaced by the copy of
+  the last good step (``guard.keep_last_good_parameters``: one parameter-sized copy in host memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+
+import torch
+
+from geotrain.config import GuardConfig
+
+logger = logging.getLogger(__name__)
+
+MIN_KNOWN_STEPS = 4
+
+
+def all_finite(tensors) -> bool:
+    """Whether every value of every tensor is finite (one wait for the device, not one per tensor)."""
+    tensors = [t for t in tensors if t is not None and t.numel() > 0]
+    if not tensors:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
+def total_norm(tensors) -> float:
+    tensors = [t for t in tensors if t is not None and t.numel() > 0]
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
+
+
+class StepGuard:
+    def __init__(self, config: GuardConfig, report, peer_id: str):
+        self.config = config
+        self.report = report
+        self.peer_id = peer_id
+        self.recent_norms: deque[float] = deque(maxlen=config.step_norm_window)
+        self.last_good: list[torch.Tensor] | None = None
+        self.steps = 0
+
+    def allows_step(self, gradients) -> bool:
+        """Whether the step with these (averaged) gradients may be applied; a skipped step is reported."""
+        self.steps += 1
+        norm = total_norm(gradients)
+        reason = detail = None
+        if norm != norm or norm == float("inf"):
+            reason, detail = "non-finite", "the averaged gradient has non-finite values"
+        elif len(self.recent_norms) >= MIN_KNOWN_STEPS:
+            median = statistics.median(self.recent_norms)
+            if median > 0 and norm > self.config.step_norm_factor * median:
+                reason, detail = "norm", (f"the averaged gradient's norm {norm:.4g} is {norm / median:.3g}x the median "
+                                          f"{median:.4g} of the last {len(self.recent_norms)} steps")
+        if reason is None:
+            if norm > 0:  # hivemind initialises the optimizer with one all-zero step
+                self.recent_norms.append(norm)
+            return True
+        logger.warning("skipped this step: %s; the peers of the round skip it alike", detail)
+        self.report.count("step", reason)
+        self.report.event("step_skipped", peer_id=self.peer_id, reason=reason, detail=detail)
+        return False
+
+    @torch.no_grad()
+    def after_step(self, parameters, optimizer) -> None:
+        """Keep a copy of good parameters; put it back over non-finite ones (and restart the optimizer's
+        statistics, which the same overflow spoilt)."""
+        if all_finite(parameters):
+            if self.config.keep_last_good_parameters:
+                if self.last_good is None:
+                    self.last_good = [torch.empty_like(p, device="cpu") for p in parameters]
+                for kept, parameter in zip(self.last_good, parameters):
+                    kept.copy_(parameter)
+            return
+        restored = self.last_good is not None
+        if restored:
+            for kept, parameter in zip(self.last_good, parameters):
+                parameter.copy_(kept)
+            optimizer.state.clear()
+        logger.error("the step left non-finite parameters; %s", "restored those of the last good step" if restored
+                     else "no good copy is kept (guard.keep_last_good_parameters is off)")
+        self.report.count("parameters", "non-finite after step")
+        self.report.event("parameters_restored" if restored else "parameters_non_finite", peer_id=self.peer_id)
