@@ -46,13 +46,18 @@ SWARM_FLAGS = {
     "--client-mode": ("swarm.client_mode", {"action": "store_const", "const": True,
                                             "help": "dial out only (no open port)"}),
     "--bootstrap-timeout": ("swarm.bootstrap_timeout_s", {"type": float, "metavar": "SECONDS"}),
+    "--token-file": ("swarm.token_file", {"metavar": "PATH",
+                                          "help": "a private swarm's secret token (or GEOTRAIN_SWARM_TOKEN)"}),
+    "--allow-file": ("swarm.allow_file", {"metavar": "PATH",
+                                          "help": "peer ids admitted to averaging and state downloads, one per line"}),
     "--metrics-port": ("metrics.port", {"type": int, "help": "serve Prometheus metrics on this port"}),
     "--metrics-host": ("metrics.host", {}),
     "--region": ("metrics.region", {"help": "label for metrics: this VM's region"}),
     "--cloud": ("metrics.cloud", {"help": "label for metrics: this VM's cloud (aws, gcp, azure, ...)"}),
     "--instance-type": ("metrics.instance_type", {"help": "label for metrics: this VM's instance type"}),
 }
-STATUS_FLAGS = {flag: SWARM_FLAGS[flag] for flag in ("--run-id", "--initial-peers", "--bootstrap-timeout")}
+STATUS_FLAGS = {flag: SWARM_FLAGS[flag] for flag in ("--run-id", "--initial-peers", "--bootstrap-timeout",
+                                                     "--token-file")}
 TRAINING_FLAGS = {
     "--task": ("task.name", {"help": "cv, nlp or asr"}),
     "--preset": ("task.preset", {"help": "model size preset, e.g. tiny, resnet50, roberta-base"}),
@@ -188,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON (one object per refresh)")
     status.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="refresh period (default 5)")
 
+    identity = commands.add_parser("identity", help="a peer's private key file (made if missing) and its peer id")
+    identity.add_argument("path", type=Path, metavar="PATH", help="the key file, as given to --identity")
+    identity.set_defaults(handler=run_identity)
+
     plan = commands.add_parser("plan", help="which VMs to rent where, for the lowest cost per sample")
     add_plan_arguments(plan)
     plan.set_defaults(handler=run_plan)
@@ -263,6 +272,14 @@ def run_status_command(args: argparse.Namespace) -> int:
 
     stopper = Stopper().install_signal_handlers()
     return run_status(config, once=args.once, as_json=args.json, interval_s=args.interval, stop=stopper.stop)
+
+
+def run_identity(args: argparse.Namespace) -> int:
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
+    from geotrain.hive.identity import peer_id_of  # hivemind
+
+    print(peer_id_of(args.path, create=True))
+    return EXIT_OK
 
 
 HANDLERS = {"peer": run_peer, "coordinator": run_coordinator, "local": run_local, "status": run_status_command}

@@ -115,6 +115,15 @@ class GuardedAveragerMixin:
     guard_config = None
     guard_max_weight = float("inf")
 
+    @classmethod
+    def _get_handle_name(cls, namespace, method_name: str) -> str:
+        """hivemind names a peer's handlers after its averager class; geotrain's classes answer under the name
+        of the hivemind class they extend, so that they speak hivemind's protocol (and tests' hostile peers,
+        built on hivemind's classes, reach them as a real attacker's would)."""
+        hivemind_class = next(c for c in cls.__mro__ if c.__module__.startswith("hivemind."))
+        handle_name = f"{hivemind_class.__name__}.{method_name}"
+        return handle_name if namespace is None else f"{namespace}::{handle_name}"
+
     # --- whom to serve --------------------------------------------------------------------------------
     def _guard_banned(self) -> dict[str, float]:
         banned = self.__dict__.get("_guard_banned_until")
