@@ -167,7 +167,8 @@ class Trainer:
             totals = self._train(task, model, compute, batches, optimizer, stop, peer_id, dht)
             if not stop.is_set() and config.training.max_epochs is not None:
                 _, agreed = agree_on_final_state(dht, optimizer, model, config.swarm.run_id, optimizer.local_epoch,
-                                                 config.swarm.client_mode, config.training.final_agreement_timeout_s)
+                                                 config.swarm.client_mode, config.training.final_agreement_timeout_s,
+                                                 guard_report=self.guard_report)
         finally:
             watcher.stop()
             try:

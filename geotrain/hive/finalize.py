@@ -6,8 +6,8 @@ bit. A user who takes the model from any peer at the end expects one model. So w
 ``max_epochs``, the trainers at the final epoch agree on one of them, the *finalizer* (the lowest
 peer id among the non-client peers at the highest epoch), and every other trainer downloads its
 exact state (parameters and optimizer statistics, uncompressed). That costs one state transfer per
-peer, once per run. Trainers stop sharing their own state first, so a download can only come from
-the finalizer. Every step is bounded by ``timeout_s``; a peer that can not agree in time keeps its
+peer, once per run. Trainers stop sharing their own state first, and download from the finalizer alone
+(a banned peer that still offers its state is never asked). Every step is bounded by ``timeout_s``; a peer that can not agree in time keeps its
 own parameters and says so.
 """
 
@@ -36,26 +36,50 @@ def _store(dht, run_id: str, peer_id: str, value: dict, timeout_s: float) -> Non
 
 
 def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_mode: bool,
-                         timeout_s: float) -> tuple[str, bool]:
-    """Make this peer's parameters equal the finalizer's. Returns (parameters sha256, agreed)."""
+                         timeout_s: float, guard_report=None) -> tuple[str, bool]:
+    """Make this peer's parameters equal the finalizer's. Returns (parameters sha256, agreed).
+
+    Only peers that take part say so (a ``candidate`` record under the run's final key), and only they can
+    be the finalizer: a peer that merely publishes progress, or one this peer banned (``guard_report.bans``:
+    its gradients were refused), is neither waited for nor downloaded from.
+    """
     peer_id = str(dht.peer_id)
     optimizer.state_averager.step(wait_for_delayed_updates=True)
+    _store(dht, run_id, peer_id, {"role": "candidate", "sha256": parameters_sha256(model), "epoch": epoch,
+                                  "client_mode": client_mode}, timeout_s)
+
+    def banned() -> set[str]:
+        return guard_report.bans.active() if guard_report is not None else set()
 
     # Peers still in the last round are about to finish too: wait for them (at most timeout_s), so that
     # everyone picks the same finalizer. A peer that is later still is left to finish on its own.
     laggards_deadline = time.monotonic() + timeout_s
     while True:
+        excluded = banned()
         progress = read_progress(dht, run_id)
-        behind = [pid for pid, p in progress.items() if p.epoch < epoch]
+        behind = [pid for pid, p in progress.items() if p.epoch < epoch and pid not in excluded]
         if not behind or time.monotonic() > laggards_deadline:
             break
         time.sleep(POLL_S)
+    # Then the peers at the last epoch say that they take part: a moment for their records to arrive.
+    own = {"epoch": epoch, "client_mode": client_mode}
+    settle_deadline = time.monotonic() + min(10.0, timeout_s / 4)
+    while True:
+        excluded = banned()
+        records = _final_records(dht, run_id)
+        candidates = {pid: r for pid, r in records.items()
+                      if pid not in excluded and r.get("epoch", -1) >= epoch and r.get("role") != "synced"}
+        candidates[peer_id] = own
+        waiting_for = {pid for pid, p in read_progress(dht, run_id).items()
+                       if p.epoch >= epoch and pid not in excluded and pid not in candidates}
+        if not waiting_for or time.monotonic() > settle_deadline:
+            break
+        time.sleep(POLL_S)
     deadline = time.monotonic() + timeout_s
-    peers = {pid: p for pid, p in progress.items() if p.epoch >= epoch}
-    top_epoch = max([p.epoch for p in peers.values()] + [epoch])
-    # Only peers with published progress count: every trainer then computes the same list. A peer that
-    # has not stepped yet (it just loaded the state) is not in it, and takes the state like the others.
-    donors = sorted(pid for pid, p in peers.items() if p.epoch == top_epoch and not p.client_mode)
+    # every peer computes the same list from the same records: the non-client candidates at the newest epoch
+    top_epoch = max(int(r.get("epoch", -1)) for r in candidates.values())
+    donors = sorted(pid for pid, r in candidates.items() if r.get("epoch") == top_epoch and not r.get("client_mode"))
+    peers = set(candidates)  # those that take the final state, the finalizer included
     if not donors:
         logger.warning("no peer can share the final state; keeping this peer's own parameters")
         return parameters_sha256(model), False
@@ -85,9 +109,14 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
             continue
         try:
             remaining_s = max(1.0, deadline - time.monotonic())
+            if guard_report is not None:
+                guard_report.set_only_donor(finalizer)
             optimizer.state_averager.load_state_from_peers(timeout=remaining_s)
         except Exception as error:  # the finalizer may be busy or gone; retry until the deadline
             logger.info("final state download failed (%s); retrying", error)
+        finally:
+            if guard_report is not None:
+                guard_report.set_only_donor(None)
         sha256 = parameters_sha256(model)
         if sha256 == target["sha256"]:
             _store(dht, run_id, peer_id, {"role": "synced", "sha256": sha256, "epoch": epoch}, timeout_s)

@@ -24,8 +24,10 @@ reduces, next to the all-reduce's own), and the refused sender's round is lost f
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
+import math
 import multiprocessing
 import time
 from pathlib import Path
@@ -33,7 +35,8 @@ from typing import AsyncIterator
 
 import torch
 from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.utils import ValueWithExpiration
 from hivemind.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
@@ -42,9 +45,10 @@ logger = logging.getLogger(__name__)
 COUNTED = (
     ("contribution", "non-finite"), ("contribution", "norm"), ("contribution", "weight"),
     ("join_group", "not admitted"), ("join_group", "banned"), ("aggregate", "not admitted"), ("aggregate", "banned"),
-    ("download_state", "not admitted"), ("download_state", "busy"),
+    ("download_state", "not admitted"), ("download_state", "busy"), ("download_state", "non-finite state"),
     ("step", "non-finite"), ("step", "norm"), ("microstep", "non-finite"),
     ("parameters", "non-finite after step"), ("parameters", "non-finite in loaded state"),
+    ("parameters", "non-finite state average"),
 )
 
 
@@ -52,16 +56,65 @@ class ContributionRefused(Exception):
     """A remote sender's gradient part failed a check; raised inside hivemind's reading of its stream."""
 
 
-class GuardReport:
-    """Where refusals go: the log, the peer's events file and counters shared with the peer's main process.
+class SharedBans:
+    """Peers this peer has banned, and until when: one list for all of the peer's processes.
 
-    hivemind's averagers run in processes of their own (forked from the peer), so the counters live in
+    A fixed table in shared memory (made before hivemind's averagers fork): a ban by the gradient averager
+    keeps the banned peer out of state downloads and the end-of-run agreement as well.
+    """
+
+    SLOTS = 256
+    SLOT_BYTES = 64  # base58 peer ids are 46-52 characters
+
+    def __init__(self):
+        self._names = multiprocessing.Array("c", self.SLOTS * self.SLOT_BYTES, lock=True)
+        self._until = multiprocessing.Array("d", self.SLOTS, lock=False)  # time.time(), guarded by _names' lock
+
+    def _name(self, slot: int) -> str:
+        raw = self._names.get_obj()[slot * self.SLOT_BYTES:(slot + 1) * self.SLOT_BYTES]
+        return raw.split(b"\0", 1)[0].decode()
+
+    def ban(self, peer_id: str, seconds: float) -> None:
+        encoded = peer_id.encode()[:self.SLOT_BYTES]
+        with self._names.get_lock():
+            now = time.time()
+            slots = range(self.SLOTS)
+            slot = next((i for i in slots if self._name(i) == peer_id), None)
+            if slot is None:  # a free or expired slot, else the one that expires first
+                slot = min(slots, key=lambda i: self._until[i] if self._until[i] > now else float("-inf"))
+            self._names.get_obj()[slot * self.SLOT_BYTES:(slot + 1) * self.SLOT_BYTES] = \
+                encoded.ljust(self.SLOT_BYTES, b"\0")
+            self._until[slot] = now + seconds
+
+    def active(self) -> set[str]:
+        with self._names.get_lock():
+            now = time.time()
+            return {self._name(i) for i in range(self.SLOTS) if self._until[i] > now}
+
+    def is_banned(self, peer_id: str) -> bool:
+        return peer_id in self.active()
+
+
+class GuardReport:
+    """Where refusals go: the log, the peer's events file and counters shared with the peer's main process;
+    and what the peer's processes share: its bans, and the one donor a state download must come from.
+
+    hivemind's averagers run in processes of their own (forked from the peer), so all of it lives in
     shared memory made before they start, and each process appends its own lines to the events file.
     """
 
     def __init__(self, events_path: Path | None):
         self.events_path = None if events_path is None else Path(events_path)
         self._counts = multiprocessing.Array("q", len(COUNTED), lock=True)
+        self.bans = SharedBans()
+        self._only_donor = multiprocessing.Array("c", SharedBans.SLOT_BYTES, lock=True)
+
+    def set_only_donor(self, peer_id: str | None) -> None:
+        """Restrict this peer's state downloads to ``peer_id`` (None: any donor that is not banned)."""
+        self._only_donor.value = (peer_id or "").encode()
+
+    def only_donor(self) -> str | None:
+        return self._only_donor.value.decode() or None
 
     def count(self, what: str, reason: str) -> None:
         index = COUNTED.index((what, reason))
@@ -82,24 +135,38 @@ class GuardReport:
             logger.debug("event %s not written: %s", event, error)
 
 
-def contribution_refusal(part: torch.Tensor, weight: float, own_part: torch.Tensor | None, norm_factor: float,
-                         max_weight: float) -> tuple[str, str] | None:
+def contribution_refusal(part: torch.Tensor, weight: float, own_part: torch.Tensor | None, own_weight: float,
+                         norm_factor: float, max_weight: float) -> tuple[str, str] | None:
     """(reason, detail) when a remote gradient part must not enter the average, else None.
 
-    ``own_part``: this peer's own (mean) gradient for the same part, the scale an honest part has; None
-    when this peer contributes nothing to the round (then only finiteness and the weight are checked).
+    ``own_part``: this peer's own mean gradient for the same part over ``own_weight`` samples, the scale an
+    honest part has; None when this peer contributes nothing to the round (then only finiteness and the
+    weight are checked). A mean over fewer samples is noisier, so a sender that claims fewer samples than
+    this peer may be up to sqrt(own_weight / weight) times further off; its pull on the average
+    (weight x norm) stays within ``norm_factor`` times this peer's own.
     """
     if not (weight == weight) or weight < 0 or weight > max_weight:  # NaN weights included
         return "weight", f"claimed weight {weight:.4g} (at most {max_weight:.4g} samples per round)"
-    if not bool(torch.isfinite(part).all()):
+    if not bool(torch.isfinite(part).all()):  # even at weight 0: hivemind's mean would be NaN (0 x NaN)
         return "non-finite", "non-finite values in its gradient"
-    if own_part is not None:
+    if own_part is not None and own_weight > 0 and weight > 0:
         own_norm = float(own_part.float().norm())
         if own_norm > 0:
             norm = float(part.float().norm())
-            if norm > norm_factor * own_norm:
-                return "norm", f"gradient part norm {norm:.4g}, {norm / own_norm:.3g}x this peer's own {own_norm:.4g}"
+            allowed = norm_factor * own_norm * math.sqrt(max(1.0, own_weight / weight))
+            if norm > allowed:
+                return "norm", (f"gradient part norm {norm:.4g} over {weight:.4g} samples, {norm / own_norm:.3g}x "
+                                f"this peer's own {own_norm:.4g} over {own_weight:.4g} (at most {allowed:.4g})")
     return None
+
+
+def hivemind_handle_name(cls, namespace, method_name: str) -> str:
+    """hivemind names a peer's handlers after its averager class; geotrain's classes answer under the name of
+    the hivemind class they extend, so that they speak hivemind's protocol whatever they add (and tests'
+    hostile peers, built on hivemind's classes, reach them as a real attacker's would)."""
+    hivemind_class = next(c for c in cls.__mro__ if c.__module__.startswith("hivemind."))
+    handle_name = f"{hivemind_class.__name__}.{method_name}"
+    return handle_name if namespace is None else f"{namespace}::{handle_name}"
 
 
 class GuardedAveragerMixin:
@@ -115,33 +182,16 @@ class GuardedAveragerMixin:
     guard_config = None
     guard_max_weight = float("inf")
 
-    @classmethod
-    def _get_handle_name(cls, namespace, method_name: str) -> str:
-        """hivemind names a peer's handlers after its averager class; geotrain's classes answer under the name
-        of the hivemind class they extend, so that they speak hivemind's protocol (and tests' hostile peers,
-        built on hivemind's classes, reach them as a real attacker's would)."""
-        hivemind_class = next(c for c in cls.__mro__ if c.__module__.startswith("hivemind."))
-        handle_name = f"{hivemind_class.__name__}.{method_name}"
-        return handle_name if namespace is None else f"{namespace}::{handle_name}"
+    _get_handle_name = classmethod(lambda cls, namespace, method_name: hivemind_handle_name(cls, namespace,
+                                                                                           method_name))
 
     # --- whom to serve --------------------------------------------------------------------------------
-    def _guard_banned(self) -> dict[str, float]:
-        banned = self.__dict__.get("_guard_banned_until")
-        if banned is None:
-            banned = self.__dict__["_guard_banned_until"] = {}
-        return banned
-
     def guard_is_banned(self, peer_id) -> bool:
-        until = self._guard_banned().get(peer_id.to_base58())
-        return until is not None and until > time.monotonic()
+        return self.guard_report is not None and self.guard_report.bans.is_banned(peer_id.to_base58())
 
     def _guard_ban(self, peer_id) -> None:
-        banned = self._guard_banned()
-        if len(banned) > 10_000:
-            now = time.monotonic()
-            for name in [name for name, until in banned.items() if until <= now]:
-                del banned[name]
-        banned[peer_id.to_base58()] = time.monotonic() + self.guard_config.ban_s
+        if self.guard_report is not None:
+            self.guard_report.bans.ban(peer_id.to_base58(), self.guard_config.ban_s)
 
     async def _guard_refusal(self, peer_id, request: str) -> str | None:
         if self.guard_is_banned(peer_id):
@@ -212,12 +262,11 @@ class GuardedAveragerMixin:
                 runner = await future if future is not None else None
             if message.code == averaging_pb2.PART_FOR_AVERAGING or message.tensor_part.buffer:
                 own_parts = getattr(runner, "parts_for_local_averaging", None)
-                own = None
-                if own_parts is not None and part_index < len(own_parts) and getattr(runner, "weight", 0) > 0:
-                    own = own_parts[part_index]
+                own_weight = float(getattr(runner, "weight", 0.0) or 0.0)
+                own = own_parts[part_index] if own_parts is not None and part_index < len(own_parts) else None
                 part = deserialize_torch_tensor(message.tensor_part)
-                refusal = contribution_refusal(part, message.weight, own, self.guard_config.contribution_norm_factor,
-                                               self.guard_max_weight)
+                refusal = contribution_refusal(part, message.weight, own, own_weight,
+                                               self.guard_config.contribution_norm_factor, self.guard_max_weight)
                 if refusal is not None:
                     self._guard_refuse_contribution(sender, *refusal)
                     raise ContributionRefused(f"{sender}: {refusal[1]}")
@@ -233,6 +282,24 @@ class GuardedAveragerMixin:
                          reason=reason, detail=detail, banned_s=self.guard_config.ban_s)
         logger.warning("refused the gradients of %s (%s); it is left out of this peer's averaging for %.0f s",
                        sender, detail, self.guard_config.ban_s)
+
+    # --- state downloads: not from a banned peer, never a non-finite state, the agreement's one donor -----
+    @classmethod
+    def get_stub(cls, p2p, peer, *, namespace=None):
+        return _DonorNamingStub(super().get_stub(p2p, peer, namespace=namespace), peer)
+
+    async def _load_state_from_peers(self, future, timeout=None):
+        future = _FiniteStateFuture(future, self)
+        report = self.guard_report
+        only, banned = (report.only_donor(), report.bans.active()) if report is not None else (None, set())
+        if only is None and not banned:
+            return await super()._load_state_from_peers(future, timeout)
+        dht = self.dht
+        self.dht = _DonorFilter(dht, f"{self._matchmaking.group_key_manager.prefix}.all_averagers", only, banned)
+        try:  # hivemind reads the donors once, at the start (hivemind/averaging/averager.py:684)
+            return await super()._load_state_from_peers(future, timeout)
+        finally:
+            self.dht = dht
 
     # --- not joining a group that a banned peer leads ---------------------------------------------------
     @property
@@ -254,3 +321,71 @@ class GuardedAveragerMixin:
 
         matchmaking._request_join_group = _request_join_group_unless_banned
         self.__dict__["_guarded_matchmaking"] = matchmaking
+
+
+class _DonorFilter:
+    """This averager's DHT handle, with the donors record read through a filter (only one, or none banned)."""
+
+    def __init__(self, dht, donors_key: str, only: str | None, banned: set[str]):
+        self._dht, self._donors_key, self._only, self._banned = dht, donors_key, only, banned
+
+    def __getattr__(self, name):
+        return getattr(self._dht, name)
+
+    def get(self, key, *args, **kwargs):
+        found = self._dht.get(key, *args, **kwargs)
+        if key != self._donors_key or found is None or not isinstance(found.value, dict):
+            return found
+        kept = {}
+        for subkey, entry in found.value.items():
+            try:
+                name = PeerID(subkey).to_base58()
+            except Exception:
+                continue
+            if (self._only is None or name == self._only) and name not in self._banned:
+                kept[subkey] = entry
+        return ValueWithExpiration(kept, found.expiration_time)
+
+
+_downloading_from: contextvars.ContextVar = contextvars.ContextVar("downloading_from", default=None)
+
+
+class _DonorNamingStub:
+    """An averager's stub to another peer that notes, for the download running in this task, whom it asks."""
+
+    def __init__(self, stub, peer):
+        self._stub, self._peer = stub, peer
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+    async def rpc_download_state(self, *args, **kwargs):
+        _downloading_from.set(self._peer)  # hivemind's download loop sets its result in this same task
+        return await self._stub.rpc_download_state(*args, **kwargs)
+
+
+class _FiniteStateFuture:
+    """The future hivemind's download loop fills, refusing a state with non-finite values: its donor is
+    banned (so the next attempt asks another) and the peer gets no state this time."""
+
+    def __init__(self, future, averager):
+        self._future, self._averager = future, averager
+
+    def __getattr__(self, name):
+        return getattr(self._future, name)
+
+    def set_result(self, result) -> None:
+        if result is not None and not all(bool(torch.isfinite(t).all()) for t in result[1] if t.is_floating_point()):
+            donor = _downloading_from.get()
+            averager = self._averager
+            name = donor.to_base58() if donor is not None else "an unknown donor"
+            logger.warning("refused the state downloaded from %s: it holds non-finite values; that peer is left "
+                           "out for %.0f s", name, averager.guard_config.ban_s)
+            if donor is not None:
+                averager._guard_ban(donor)
+            if averager.guard_report is not None:
+                averager.guard_report.count("download_state", "non-finite state")
+                averager.guard_report.event("state_refused", peer_id=averager.peer_id.to_base58(), from_peer=name,
+                                            reason="non-finite")
+            result = None
+        self._future.set_result(result)

@@ -19,7 +19,7 @@ from timm.optim import Lamb
 
 from geotrain.config import GeotrainConfig
 from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm_token
-from geotrain.hive.guard import GuardedAveragerMixin, GuardReport
+from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
 from geotrain.hive.step_guard import StepGuard, all_finite
 from geotrain.schedule import schedule_of
 
@@ -117,20 +117,35 @@ class RecordingStateAverager(TrainingStateAverager):
     """
 
     loaded_epoch: int | None = None
-    guard_report: GuardReport | None = None
+    guard_report: GuardReport | None = None  # set by geotrain.hive.guard's configured subclass
+    _get_handle_name = classmethod(hivemind_handle_name)
 
     def load_state_from_peers(self, *args, **kwargs):
         epoch_before = self.local_epoch
-        parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
+        # the parameters the optimizer steps (offloaded or not) and the buffers (batch norm statistics)
+        tensors = [p for group in self.optimizer.param_groups for p in group["params"]] + list(self.extra_tensors)
         with torch.no_grad():
-            kept = [p.detach().clone() for p in parameters]  # what this peer had, should the state be poisoned
+            kept = [t.detach().clone() for t in tensors]  # what this peer had, should the state be poisoned
         result = super().load_state_from_peers(*args, **kwargs)
-        if self.local_epoch != epoch_before and not self._loaded_state_is_finite(parameters):
-            self._restore(parameters, kept, epoch_before)
+        if self.local_epoch != epoch_before and not self._loaded_state_is_finite(tensors):
+            self._restore(tensors, kept, epoch_before)
             return None
         if self.local_epoch != epoch_before:
             self.loaded_epoch = self.local_epoch
         return result
+
+    @torch.no_grad()
+    def _apply_averaging_results_(self):
+        """hivemind's copy of a state averaging round's result into the parameters, unless it is not finite
+        (a part reduced by a bad peer): then this peer keeps its own, as after a failed round."""
+        with self.get_tensors() as averaged_tensors:
+            finite = all_finite(averaged_tensors)
+        if finite:
+            return super()._apply_averaging_results_()
+        logger.warning("the state averaging round returned non-finite values; this peer keeps its own parameters")
+        if self.guard_report is not None:
+            self.guard_report.count("parameters", "non-finite state average")
+            self.guard_report.event("state_average_refused", peer_id=self.peer_id.to_base58(), reason="non-finite")
 
     def _loaded_state_is_finite(self, parameters) -> bool:
         statistics = [value for state in self.optimizer.state.values() for value in state.values()
@@ -144,9 +159,9 @@ class RecordingStateAverager(TrainingStateAverager):
         self.optimizer.state.clear()  # torch optimizers start their statistics afresh on the next step
         if self.offload_optimizer:
             self._apply_optimizer_parameters_()
+        logger.warning("refused the downloaded state of epoch %d: it holds non-finite values; this peer keeps its "
+                       "own parameters (optimizer statistics reset) and trains on", self.local_epoch)
         self.local_epoch = epoch_before
-        logger.warning("refused the downloaded state of epoch %s: it holds non-finite values; this peer keeps its "
-                       "own parameters (optimizer statistics reset) and trains on", self.loaded_epoch or "?")
         if self.guard_report is not None:
             self.guard_report.count("parameters", "non-finite in loaded state")
             self.guard_report.event("state_refused", peer_id=self.peer_id.to_base58(), reason="non-finite")
@@ -180,6 +195,8 @@ class LocalGradientsKeepingAverager(GradientAverager):
     (:meth:`MeasuredOptimizer._load_local_gradients_into_optimizer`). The copy lives in host memory next
     to hivemind's averaged gradients: one more gradient-sized buffer, reused every round.
     """
+
+    _get_handle_name = classmethod(hivemind_handle_name)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -288,24 +305,27 @@ def guarded(averager_class: type, admission: Admission, report: GuardReport, con
 
 
 def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module, on_averaging_round=None,
-                             grad_averager_class: type | None = None, guard_report: GuardReport | None = None):
+                             grad_averager_class: type | None = None, guard_report: GuardReport | None = None,
+                             checked: bool = True):
     """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped).
 
     Both averagers check their callers and what they receive (:mod:`geotrain.hive.guard`), the torch optimizer
     checks each step (:mod:`geotrain.hive.step_guard`); refusals go to ``guard_report``.
-    ``grad_averager_class``: a GradientAverager subclass used as given, without the checks (tests of hostile
-    peers pass their own).
+    ``grad_averager_class``: a GradientAverager subclass used as given, without the checks, and ``checked``
+    False: no checks at all (tests' hostile peers).
     """
     opt = config.optimizer
     report = guard_report if guard_report is not None else GuardReport(None)
     admission = Admission(config.swarm.run_id, load_swarm_token(config.swarm), load_allowed_peer_ids(config.swarm))
     if grad_averager_class is None:
-        grad_averager_class = guarded(LocalGradientsKeepingAverager, admission, report, config)
-    state_averager_class = guarded(RecordingStateAverager, admission, report, config)
-    state_averager_class.guard_report = report
+        grad_averager_class = LocalGradientsKeepingAverager
+        if checked:
+            grad_averager_class = guarded(grad_averager_class, admission, report, config)
+    state_averager_class = guarded(RecordingStateAverager, admission, report, config) if checked else \
+        RecordingStateAverager
     optimizer_class = type("GuardedMeasuredOptimizer", (MeasuredOptimizer,),
                            {"state_averager_class": state_averager_class})
-    step_guard = StepGuard(config.guard, report, peer_id=str(dht.peer_id))
+    step_guard = StepGuard(config.guard, report, peer_id=str(dht.peer_id)) if checked else None
     delayed = opt.delayed_parameter_updates
     local_updates = opt.use_local_updates
     # (local updates with delayed updates is refused by the config: OptimizerConfig._check_offload)

@@ -161,16 +161,27 @@ OWN = torch.full((1000,), 0.01)
     (OWN, -1.0, "weight"),
 ])
 def test_poisoned_contributions_are_refused_with_their_reason(part, weight, reason):
-    refusal = contribution_refusal(part, weight, OWN, norm_factor=30.0, max_weight=8224.0)
+    refusal = contribution_refusal(part, weight, OWN, 32.0, norm_factor=30.0, max_weight=8224.0)
     assert refusal is not None and refusal[0] == reason
 
 
 def test_honest_contributions_pass():
     noisy = OWN + 0.05 * torch.randn(1000, generator=torch.Generator().manual_seed(0))  # 5x the own norm
-    assert contribution_refusal(noisy, 4096.0, OWN, norm_factor=30.0, max_weight=8224.0) is None
+    assert contribution_refusal(noisy, 4096.0, OWN, 4096.0, norm_factor=30.0, max_weight=8224.0) is None
     # this peer contributes nothing (or all zeros): only finiteness and the weight can be judged
-    assert contribution_refusal(OWN * 1e6, 32.0, None, norm_factor=30.0, max_weight=8224.0) is None
-    assert contribution_refusal(OWN * 1e6, 32.0, torch.zeros(1000), norm_factor=30.0, max_weight=8224.0) is None
+    assert contribution_refusal(OWN * 1e6, 32.0, None, 0.0, norm_factor=30.0, max_weight=8224.0) is None
+    assert contribution_refusal(OWN * 1e6, 32.0, torch.zeros(1000), 32.0, norm_factor=30.0, max_weight=8224.0) is None
+    assert contribution_refusal(OWN * 1e6, 32.0, OWN, 0.0, norm_factor=30.0, max_weight=8224.0) is None
+    assert contribution_refusal(torch.full((1000,), float("nan")), 0.0, OWN, 32.0, norm_factor=30.0,
+                                max_weight=8224.0)[0] == "non-finite"  # 0 x NaN is NaN in the mean
+
+
+def test_a_sender_with_fewer_samples_may_be_noisier_but_pulls_no_harder():
+    # one micro-batch (32 samples) against this peer's 32,768: sqrt(1024) = 32x the allowance
+    assert contribution_refusal(OWN * 500, 32.0, OWN, 32768.0, norm_factor=30.0, max_weight=70000.0) is None
+    assert contribution_refusal(OWN * 2000, 32.0, OWN, 32768.0, norm_factor=30.0, max_weight=70000.0)[0] == "norm"
+    # claiming a tiny weight buys a larger norm, never a larger pull (weight x norm) on the average
+    assert contribution_refusal(OWN * 1e3, 1e-3, OWN, 32.0, norm_factor=30.0, max_weight=8224.0) is None
 
 
 def _count_in_a_child(report: GuardReport) -> None:
