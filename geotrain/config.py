@@ -418,8 +418,9 @@ class CostConfig(_Strict):
         default_factory=list, description="Rules by source and destination region (\"*\" matches any) for "
                                           "traffic between regions; the most specific match wins over the files.")
     same_region_usd_per_gb: float | None = Field(
-        None, ge=0, description="Price of traffic between peers of one region; none: free, as the planner "
-                                "assumes (set the inter-zone price when your VMs are spread over zones).")
+        None, ge=0, description="Price of traffic between peers of one region; none: the planner's same_region "
+                                "price of the sender's cloud (set the inter-zone price when your VMs are spread "
+                                "over zones).")
     egress_budget_usd_per_hour: float | None = Field(
         None, ge=0, description="Alert when the swarm's egress costs more than this per hour.")
 

@@ -62,8 +62,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=5, help="configurations to show (default: %(default)s)")
     parser.add_argument("--solver-time-limit", type=float, default=DEFAULT_SOLVER_TIME_LIMIT_S, metavar="SECONDS",
                         help="most seconds the MILP solver (HiGHS) may spend on one program (default: %(default)g); "
-                             "when reached, the plan uses the best solution found and says it may not be optimal, "
-                             "or, if none was found, says so instead of calling the request infeasible")
+                             "when reached, the command fails (exit code 2) naming the best plan found so far, "
+                             "never calling the request infeasible")
     parser.add_argument("--catalog", help="instance catalog CSV (default: the shipped one)")
     parser.add_argument("--egress", help="egress price CSV (default: the shipped one)")
     parser.add_argument("--network", help="network matrix CSV (default: the shipped one)")
@@ -136,8 +136,9 @@ def _plan(args: argparse.Namespace) -> int:
                       region_quota_gpus=_quotas(args.quota), solver_time_limit_s=args.solver_time_limit)
     result = plan(inputs, request, top=args.top)
     mode = "with overlap (delayed parameter updates)" if args.overlap else "without overlap"
+    where = f"; {result.coordinator_note}" if result.coordinator_note else ""
     coordinator = (f"coordinator on {result.coordinator.name} (${result.coordinator.price_usd_per_hour:g}/h, "
-                   "included in compute $/h)" if result.coordinator else "anchor: an on-demand training VM")
+                   f"included in compute $/h{where})" if result.coordinator else "anchor: an on-demand training VM")
     print(f"Plan for {profile.name} ({profile.parameters / 1e6:.1f}M parameters, TBS {profile.target_batch_size}), "
           f"objective {args.objective}, samples/s {mode}; {coordinator}.")
     print(format_table(result.candidates, args.train_samples))
@@ -145,10 +146,9 @@ def _plan(args: argparse.Namespace) -> int:
     reduced = "" if result.exact else (" (a large catalog: reduced to candidate offers first, an approximation; "
                                        "see geotrain.planner.solve.reduce_candidates)")
     print(f"Solved {result.programs_solved} MILPs over {result.offers_after_pruning} of {result.offers_considered} "
-          f"offers in {result.solve_s:.2f} s{reduced}.")
-    note = result.time_limit_note()
-    if note:
-        print(note)
+          f"offers in {result.solve_s:.2f} s wall-clock{reduced}.")
+    for line in result.left_out:
+        print(f"Left out: {line}.")
     if args.json:
         write_json(args.json, plan_json(result, request, args.objective, profile.name, args.train_samples))
         print(f"Wrote {args.json}")

@@ -16,7 +16,8 @@ then all-reduces the gradients):
   ``TBS / max(T_calc, T_comm)`` with delayed parameter updates (``overlap=True``).
 - cost per hour: the VMs, the coordinator (an on-demand VM that holds durable state, unless a
   training VM is the on-demand anchor), egress for the all-reduce traffic priced by the sender's
-  cloud and the receiver's region, and data loading; cost per 1M samples follows.
+  cloud and the receiver's region (VMs of one region pay the ``same_region`` price), and data loading
+  (each VM reads its share of the samples at its continent's price); cost per 1M samples follows.
 
 The same formulas, written as linear constraints, are what :mod:`geotrain.planner.solve` optimises;
 :func:`evaluate` is the reference that reports, tests and the brute-force check use.
@@ -165,6 +166,17 @@ class Prediction:
         return data
 
 
+def data_loading_usd_per_round(profile: ModelProfile, egress: EgressPrices, items: list[tuple[Offer, int]],
+                               peers: int, settings: Settings) -> float:
+    """Object-storage egress for one round's TBS samples: each VM reads its share of them at its own price."""
+    if not profile.data_bytes_per_sample:
+        return 0.0
+    rates = [(offer, count * peer_rate(profile, offer, peers, settings)) for offer, count in items]
+    total = sum(rate for _, rate in rates)
+    usd_per_gb = sum(rate * egress.data_loading_usd_per_gb(offer) for offer, rate in rates) / total
+    return profile.target_batch_size * profile.data_bytes_per_sample / GB * usd_per_gb
+
+
 def _round_time(compute_s: float, comm_s: float, overlap: bool) -> float:
     return max(compute_s, comm_s) if overlap else compute_s + comm_s
 
@@ -218,7 +230,7 @@ def evaluate(counts: dict[Offer, int] | list[tuple[Offer, int]], profile: ModelP
     planned = with_overlap if settings.overlap else no_overlap
     nominal = tbs / _round_time(tbs / nominal_rate, comm_s, settings.overlap)
     rounds_per_hour = 3600 * planned / tbs
-    data_usd_per_round = tbs * profile.data_bytes_per_sample / GB * egress.data_loading_usd_per_gb("*")
+    data_usd_per_round = data_loading_usd_per_round(profile, egress, items, peers, settings)
     return Prediction(
         counts=items, peers=peers, compute_s_per_round=compute_s, comm_s_per_round=comm_s,
         granularity=compute_s / comm_s if comm_s > 0 else float("inf"),

@@ -13,6 +13,7 @@ A profile is a small YAML file::
     round_overhead_s: 20.1         # matchmaking and bookkeeping per averaging round
     state_averaging_every_epochs: 0  # parameters are averaged too every N rounds; 0 = never
     data_bytes_per_sample: 0       # bytes read from object storage per sample (priced as data loading)
+    min_vm_memory_gb: 0            # VMs the catalog lists with less memory are left out (0: no minimum)
     sources: {...}                 # where each figure comes from
 
 Shipped profiles live in ``geotrain/data/planner/profiles/``; the user's own, written by
@@ -60,6 +61,7 @@ class ModelProfile:
     round_overhead_s: float = DEFAULT_ROUND_OVERHEAD_S
     state_averaging_every_epochs: int = 0
     data_bytes_per_sample: float = 0.0
+    min_vm_memory_gb: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
 
@@ -102,7 +104,7 @@ def parse_profile(data: Any, where: str) -> ModelProfile:
         raise PlannerError(f"{where}: expected a mapping of profile keys (name, parameters, ...)")
     known = {"name", "task", "parameters", "bytes_per_parameter", "target_batch_size", "samples_per_second",
              "hivemind_efficiency", "round_overhead_s", "state_averaging_every_epochs", "data_bytes_per_sample",
-             "sources"}
+             "min_vm_memory_gb", "sources"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlannerError(f"{where}: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(sorted(known))}")
@@ -127,6 +129,7 @@ def parse_profile(data: Any, where: str) -> ModelProfile:
         round_overhead_s=_field(data, "round_overhead_s", where, float, minimum=0.0, default=DEFAULT_ROUND_OVERHEAD_S),
         state_averaging_every_epochs=_field(data, "state_averaging_every_epochs", where, int, minimum=0, default=0),
         data_bytes_per_sample=_field(data, "data_bytes_per_sample", where, float, minimum=0.0, default=0.0),
+        min_vm_memory_gb=_field(data, "min_vm_memory_gb", where, float, minimum=0.0, default=0.0),
         sources={str(k): str(v) for k, v in (data.get("sources") or {}).items()},
     )
 

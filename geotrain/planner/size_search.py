@@ -17,6 +17,29 @@ from geotrain.planner.problem import Inputs, Request, ranking_key, satisfies
 TANGENTS = 6
 
 
+def budget_rate_bound(n: int, spend_usd_per_hour: float, prices: list[float], rates: list[float]) -> float:
+    """The most samples/s n VMs can reach for ``spend_usd_per_hour``: the LP relaxation, solved in closed form.
+
+    max sum(rate x) s.t. sum(x) = n, sum(price x) <= spend, x >= 0 has an optimal vertex with at most two
+    offers: one alone (if n of it fit), or a cheap and a dear one mixed so that the spend is used up.
+    Quotas, egress and integrality are left out, so this bounds every configuration from above.
+    """
+    best = 0.0
+    # Per price, only the fastest offer matters; and a dearer offer is only useful if it is faster.
+    frontier: list[tuple[float, float]] = []
+    for price, rate in sorted(zip(prices, rates), key=lambda item: (item[0], -item[1])):
+        if not frontier or rate > frontier[-1][1]:
+            frontier.append((price, rate))
+    for i, (cheap_price, cheap_rate) in enumerate(frontier):
+        if n * cheap_price > spend_usd_per_hour * (1 + 1e-12):
+            break
+        best = max(best, n * cheap_rate)
+        for dear_price, dear_rate in frontier[i + 1:]:
+            dear_count = min(n, (spend_usd_per_hour - n * cheap_price) / (dear_price - cheap_price))
+            best = max(best, n * cheap_rate + dear_count * (dear_rate - cheap_rate))
+    return best
+
+
 class SizeSearch:
     """What every per-n program shares (offers, sites, network classes, prices), and the search itself."""
 
@@ -56,8 +79,11 @@ class SizeSearch:
         self.egress_usd_per_gb = [[egress.usd_per_gb(self.representative[s], self.representative[t], spread)
                                    for t in self.sites] for s in self.sites]
         profile = inputs.profile
-        self.data_usd_per_round = (profile.target_batch_size * profile.data_bytes_per_sample / GB
-                                   * egress.data_loading_usd_per_gb("*"))
+        # Data loading per round: TBS x bytes per sample at the price of the VM that reads each sample;
+        # the cheapest reader's price bounds it from below where no MILP is solved.
+        self.data_gb_per_round = profile.target_batch_size * profile.data_bytes_per_sample / GB
+        self.data_usd_per_gb = [egress.data_loading_usd_per_gb(o) for o in offers]
+        self.data_usd_per_round = self.data_gb_per_round * min(self.data_usd_per_gb, default=0.0)
         self.programs_solved = 0
         # Programs that HiGHS stopped at the time limit: with a solution (used, maybe not optimal, with
         # the largest gap HiGHS reported) and without one (that part of the search is unknown).
@@ -138,9 +164,8 @@ class SizeSearch:
             affordable = [r for o, r in zip(self.offers, rates) if o.price_usd_per_hour <= spend - (n - 1) * cheapest]
             if not affordable:
                 return INF
-            fastest = min(n * max(affordable),
-                          spend * max(r / o.price_usd_per_hour for o, r in zip(self.offers, rates) if o.price_usd_per_hour > 0)
-                          if all(o.price_usd_per_hour > 0 for o in self.offers) else fastest)
+            fastest = min(n * max(affordable), budget_rate_bound(n, spend, [o.price_usd_per_hour for o in self.offers],
+                                                                rates))
         compute = tbs / fastest
         if objective == "throughput":
             return max(compute, comm) if overlap else compute + comm
@@ -158,18 +183,57 @@ class SizeSearch:
         return prediction.usd_per_million_samples
 
     def homogeneous(self, n: int, objective: str, request: Request) -> dict[Offer, int] | None:
-        """The best configuration of n VMs of one offer: a quick incumbent that lets the MILPs prune."""
-        best, best_key = None, None
-        key = ranking_key(objective)
+        """A quick incumbent that lets the MILPs prune: the best n VMs of one site, of one or two offers.
+
+        Within one site the link, the egress per round and the data price do not depend on the mix, so
+        every split of n between two offers is scored in closed form; only the winner is evaluated
+        with the full model (which decides: the closed form only ranks).
+        """
+        inputs = self.inputs
+        profile, settings = inputs.profile, inputs.settings
+        tbs, overlap = profile.target_batch_size, settings.overlap
         quotas = request.region_quota_gpus
-        for offer in self.offers:
-            if n > 1 and offer.region in quotas and n * offer.gpu_count > quotas[offer.region]:
-                continue
-            if self.inputs.settings.anchor == "trainer" and offer.spot:
-                continue
-            prediction = self.evaluate({offer: n})
+        budget, min_sps = request.budget_usd_per_hour, request.min_samples_per_second
+        pair_gb = bytes_per_pair(profile, n) / GB if n > 1 else 0.0
+        by_site: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for i, offer in enumerate(self.offers):
+            by_site[offer.site].append(i)
+        rates = [peer_rate(profile, o, n, settings) for o in self.offers]
+        scored = []
+        for site, members in by_site.items():
+            rep = self.representative[site]
+            comm = 0.0
+            if n > 1:
+                link = self.same_site_link[site]
+                comm = profile.round_overhead_s + transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+            traffic_usd = n * (n - 1) * pair_gb * inputs.egress.usd_per_gb(rep, rep, settings.spread_zones) \
+                + self.data_gb_per_round * inputs.egress.data_loading_usd_per_gb(rep)
+            quota = quotas.get(site[1])
+            for a_index, i in enumerate(members):
+                for j in members[a_index:]:
+                    for k in range(n, 0, -1) if i != j else (n,):
+                        counts = {i: k, j: n - k} if i != j else {i: n}
+                        if quota is not None and sum(c * self.offers[o].gpu_count for o, c in counts.items()) > quota:
+                            continue
+                        if settings.anchor == "trainer" and all(self.offers[o].spot for o, c in counts.items() if c):
+                            continue
+                        rate = sum(c * rates[o] for o, c in counts.items())
+                        round_s = max(tbs / rate, comm) if overlap else tbs / rate + comm
+                        usd_per_hour = sum(c * self.offers[o].price_usd_per_hour for o, c in counts.items()) \
+                            + self.coordinator_usd_per_hour + traffic_usd * 3600 / round_s
+                        if budget is not None and usd_per_hour > budget * (1 + 1e-9):
+                            continue
+                        if min_sps is not None and tbs / round_s < min_sps * (1 - 1e-9):
+                            continue
+                        value = round_s if objective == "throughput" else usd_per_hour * round_s / tbs
+                        scored.append((value, -rate, site, tuple(sorted(counts.items()))))
+        key = ranking_key(objective)
+        best, best_key = None, None
+        for *_, items in sorted(scored)[:3]:
+            counts = {self.offers[o]: c for o, c in items if c}
+            prediction = self.evaluate(counts)
             if satisfies(prediction, request) and (best_key is None or key(prediction) < best_key):
-                best, best_key = {offer: n}, key(prediction)
+                best, best_key = counts, key(prediction)
         return best
 
     def solve(self, n: int, objective: str, budget: float | None, min_sps: float | None,
@@ -192,7 +256,30 @@ class SizeSearch:
         best, best_counts = None, None
         if start:
             best, best_counts = self.evaluate(start), start
-        nodes = [(-INF, (tbs / (n * max(rates)), tbs / (n * min(rates))))]
+        # The root interval of T_calc, narrowed by what no better configuration can escape: the budget's
+        # most samples/s (LP bound), the throughput floor, and for the throughput objective the incumbent.
+        low, high = tbs / (n * max(rates)), tbs / (n * min(rates))
+        comm = self._fastest_comm_s(n)
+        overlap = settings.overlap
+        if budget is not None:
+            most = budget_rate_bound(n, budget - self.coordinator_usd_per_hour,
+                                     [o.price_usd_per_hour for o in self.offers], rates)
+            low = max(low, tbs / most * (1 - 1e-9)) if most > 0 else INF
+        if min_sps is not None:
+            high = min(high, (tbs / min_sps - (0.0 if overlap else comm)) * (1 + 1e-9))
+        incumbent = min(threshold, self.value(best, objective) if best else INF)
+        if objective == "throughput":
+            high = min(high, (incumbent - (0.0 if overlap else comm)) * (1 + 1e-9))
+        elif incumbent < INF:
+            # $ per 1M samples = $/h x round time / (3600 TBS) x 1e6, and $/h is at least the n cheapest VMs.
+            cheapest_usd_per_hour = n * min(o.price_usd_per_hour for o in self.offers) + self.coordinator_usd_per_hour
+            if cheapest_usd_per_hour > 0:
+                round_s = incumbent * 3600 * tbs / 1e6 / cheapest_usd_per_hour
+                high = min(high, (round_s - (0.0 if overlap else comm)) * (1 + 1e-9))
+        if low > high:
+            nodes = []
+        else:
+            nodes = [(-INF, (low, high))]
         while nodes:
             nodes.sort(key=lambda item: item[0])
             bound, (a, b) = nodes.pop(0)
@@ -218,6 +305,14 @@ class SizeSearch:
             omega = prediction.compute_s_per_round
             if feasible and a < omega <= b:
                 children = [(a, omega * (1 - 1e-6)), (omega, b)]
+            elif not feasible and a < omega < b * (1 - 1e-6):
+                # Over the budget only because the node relaxes it with T_calc <= b: below omega the relaxation
+                # is exact at this configuration, above it the configuration is out of the interval.
+                children = [(a, omega), (omega * (1 + 1e-6), b)]
+            elif not feasible and a < omega * (1 - 1e-6) and omega >= b * (1 - 1e-6):
+                # Over the budget at the node's upper end (by a margin the relaxation's tolerances let
+                # through): only the sliver within the 1e-6 tolerance goes.
+                children = [(a, omega * (1 - 1e-6))]
             elif (b - a) > 1e-7 * b:
                 children = [(a, (a + b) / 2), ((a + b) / 2, b)]
             else:
@@ -396,7 +491,6 @@ class SizeSearch:
         p.row(split, coordinator, coordinator)
         comm_terms = {lv: value for value, lv in zip(levels, level)}
         cost_terms = {x[i]: price for i, price in enumerate(prices)}
-        fixed = 3600 * self.data_usd_per_round
 
         # T_calc = TBS / R is convex in R: tangents at a few points of [TBS/b, TBS/a] bound it from below.
         compute = p.var(a, b)
@@ -417,20 +511,27 @@ class SizeSearch:
         p.row({v: 1.0 for v in shares}, 1, 1)
         vm_compute = p.var(0, INF)
         p.row({vm_compute: 1.0, **{v: -c for v, c in shares.items()}, compute: -coordinator}, lower=0)
+        # Data loading: each VM reads its share of the round's samples at its own price (3600 x $ per round).
+        data_terms: dict[int, float] = {}
+        if self.data_gb_per_round and any(self.data_usd_per_gb):
+            data = p.var(0, INF)
+            p.row({data: 1.0, **{share: -3600 * self.data_gb_per_round * self.data_usd_per_gb[i]
+                                 for i, share in enumerate(shares)}}, lower=0)
+            data_terms[data] = 1.0
         # 3600 x cost per round >= cost x T_calc + cost x T_comm (or the larger of them, with overlap)
         # + 3600 x (egress + data); exact when T_calc is at either end of the node.
         if settings.overlap:
             vm_cost = p.var(0, INF)
             p.row({vm_cost: 1.0, vm_compute: -1.0}, lower=0)
             p.row({vm_cost: 1.0, **{k: -v for k, v in cost_comm.items()}}, lower=0)
-            round_cost, round_cost_const = {vm_cost: 1.0}, fixed
+            round_cost, round_cost_const = {vm_cost: 1.0, **data_terms}, 0.0
             round_time = p.var(0, INF)
             p.row({round_time: 1.0, compute: -1.0}, lower=0)
             p.row({round_time: 1.0, **{k: -v for k, v in comm_terms.items()}}, lower=0)
             time_terms, time_const = {round_time: 1.0}, 0.0
         else:
-            round_cost = {vm_compute: 1.0, **cost_comm}
-            round_cost_const = fixed
+            round_cost = {vm_compute: 1.0, **cost_comm, **data_terms}
+            round_cost_const = 0.0
             time_terms, time_const = {compute: 1.0, **comm_terms}, 0.0
         for k, v in egress_round.items():
             round_cost[k] = round_cost.get(k, 0.0) + 3600 * v
@@ -447,7 +548,9 @@ class SizeSearch:
                 terms[k] = -v
             for k, v in egress_round.items():
                 terms[k] = terms.get(k, 0.0) - 3600 * v
-            p.row(terms, lower=fixed + b * coordinator - budget * b)
+            for k, v in data_terms.items():
+                terms[k] = terms.get(k, 0.0) - v
+            p.row(terms, lower=b * coordinator - budget * b)
         if min_sps is not None:
             # TBS / R + T_comm <= TBS / min_sps, exact per level: R >= TBS / (TBS / min_sps - level).
             limit = tbs / min_sps

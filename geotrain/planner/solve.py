@@ -29,12 +29,11 @@ How the non-linear model becomes MILPs (see docs/planning.md)
 
     The result is the exact optimum of the model, up to a relative tolerance of 1e-6 on compute
     time; the unit tests check it against brute-force search over every configuration of small
-    catalogs. (Unless HiGHS reaches ``Request.solver_time_limit_s``, ``--solver-time-limit``, on a
-    program: its best solution, if any, is then used, that node is not split further, and
-    :attr:`Plan.proven_optimal` is False; with no plan found at all, the error says the time limit
-    was reached rather than naming a constraint.) Sizes are visited in order of a closed-form
-    bound, with n VMs of one offer as quick incumbents, and sizes that cannot enter the top ``top``
-    are skipped.
+    catalogs. Unless HiGHS reaches ``Request.solver_time_limit_s`` (``--solver-time-limit``) on a
+    program: then nothing is proven, and :func:`plan` raises :class:`SolverTimeLimitError`, which
+    names the best plan found so far and carries it. Sizes are visited in order of a closed-form
+    bound, with n VMs of one site (one or two offers) as quick incumbents, and sizes that cannot
+    enter the top ``top`` are skipped.
 
 Pruning
     Exact: within a region, an offer is dropped when another is at least as fast after
@@ -54,10 +53,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from geotrain.pricing.catalog import Offer
-from geotrain.planner.errors import PlannerError
+from geotrain.planner.errors import PlannerError, SolverTimeLimitError
 from geotrain.planner.milp import INF
 from geotrain.planner.model import Prediction
 from geotrain.planner.problem import OBJECTIVES, Inputs, Request, ranking_key, satisfies  # noqa: F401 (re-exported)
@@ -82,6 +81,8 @@ class Plan:
     time_limited_unsolved: int = 0
     largest_gap: float | None = None
     solver_time_limit_s: float | None = None
+    left_out: list[str] = field(default_factory=list)  # kinds of VM the profile cannot use, and why
+    coordinator_note: str = ""  # why the coordinator is where it is, when that is not the obvious place
 
     @property
     def best(self) -> Prediction:
@@ -92,17 +93,11 @@ class Plan:
         """False when a program stopped at the time limit: a better configuration may exist."""
         return self.time_limited == 0
 
-    def time_limit_note(self) -> str | None:
-        """A sentence for the user when the time limit was reached, else None."""
-        if self.proven_optimal:
-            return None
-        gap = "" if self.largest_gap is None else f" (largest MIP gap when stopped: {self.largest_gap:.2%})"
-        unsolved = "" if not self.time_limited_unsolved else \
-            f", {self.time_limited_unsolved} of them before finding any solution"
-        return (f"Not proven optimal: HiGHS reached the time limit (--solver-time-limit {self.solver_time_limit_s:g} s "
-                f"per MILP) in {self.time_limited} of {self.programs_solved} MILPs{unsolved}{gap}; the plan is the "
-                "best found and a cheaper or faster one may exist. Raise --solver-time-limit, or lower --max-peers "
-                "or allow fewer offers (--clouds, --regions, --continents) for a smaller search.")
+    def summary(self) -> str:
+        """The best configuration in one line (for messages)."""
+        best = self.best
+        return (f"{best.describe()}, {best.samples_per_second:.1f} samples/s, ${best.usd_per_hour:.2f}/h, "
+                f"${best.usd_per_million_samples:.3f} per 1M samples")
 
 
 def plan(inputs: Inputs, request: Request, objective: str | None = None, top: int = 5) -> Plan:
@@ -118,8 +113,13 @@ def plan(inputs: Inputs, request: Request, objective: str | None = None, top: in
         raise PlannerError(f"--max-peers is {request.max_peers}; expected at least 1")
     started = time.perf_counter()
     allowed = select_offers(inputs, request)
-    coordinator = choose_coordinator(allowed, inputs.settings)
-    usable = trainable_offers(allowed, inputs.profile)
+    coordinator = choose_coordinator(allowed, inputs.settings, inputs.offers)
+    coordinator_note = ""
+    if coordinator is not None and coordinator not in allowed:
+        coordinator_note = "outside the allowed offers: it needs no GPU, and they have no CPU-only VM"
+    elif coordinator is not None and coordinator.gpu_count:
+        coordinator_note = "a GPU VM: the catalog has no on-demand CPU-only VM"
+    usable, left_out = trainable_offers(allowed, inputs.profile)
     pruned = prune_dominated(usable, inputs.profile, inputs.settings, request.region_quota_gpus)
     pruned = prune_dominated_sites(pruned, inputs, request.region_quota_gpus)
     exact = len(pruned) <= prune.EXACT_OFFER_LIMIT
@@ -127,8 +127,8 @@ def plan(inputs: Inputs, request: Request, objective: str | None = None, top: in
     context = SizeSearch(pruned, inputs, request, coordinator)
     found: list[Prediction] = []
     sizes = [n for n in range(1, request.max_peers + 1) if context.could_meet(n, request)]
-    # Quick incumbents (n VMs of one offer) give every size a start and the top-k a first threshold:
-    # the k-th best of the sizes' known values bounds the k-th best size from above.
+    # Quick incumbents (n VMs of one site, one or two offers) give every size a start and the top-k a
+    # first threshold: the k-th best of the sizes' known values bounds the k-th best size from above.
     starts = {n: context.homogeneous(n, objective, request) for n in sizes if n > 1}
     known = {n: context.value(context.evaluate(c), objective) for n, c in starts.items() if c}
     for bound, n in sorted((context.lower_bound(n, objective), n) for n in sizes):
@@ -148,22 +148,30 @@ def plan(inputs: Inputs, request: Request, objective: str | None = None, top: in
                 found.append(prediction)
                 known[n] = context.value(prediction, objective)
     found.sort(key=ranking_key(objective))
-    if not found:
-        if context.time_limited_unsolved:
-            raise PlannerError(time_limit_message(context, request))
+    result = None
+    if found:
+        result = Plan(candidates=found[:top], coordinator=coordinator, offers_considered=len(usable),
+                      offers_after_pruning=len(pruned), programs_solved=context.programs_solved,
+                      solve_s=time.perf_counter() - started, exact=exact, time_limited=context.time_limited,
+                      time_limited_unsolved=context.time_limited_unsolved, largest_gap=context.largest_gap,
+                      solver_time_limit_s=request.solver_time_limit_s, left_out=left_out,
+                      coordinator_note=coordinator_note)
+    if context.time_limited:
+        raise SolverTimeLimitError(time_limit_message(context, request, result), result)
+    if result is None:
         raise PlannerError(diagnose(context, request))
-    return Plan(candidates=found[:top], coordinator=coordinator, offers_considered=len(usable),
-                offers_after_pruning=len(pruned), programs_solved=context.programs_solved,
-                solve_s=time.perf_counter() - started, exact=exact, time_limited=context.time_limited,
-                time_limited_unsolved=context.time_limited_unsolved, largest_gap=context.largest_gap,
-                solver_time_limit_s=request.solver_time_limit_s)
+    return result
 
 
-def time_limit_message(context: SizeSearch, request: Request) -> str:
-    """No configuration found, but HiGHS stopped before deciding: the request may well be feasible."""
-    return (f"the solver's time limit was reached before any configuration was found: HiGHS stopped "
-            f"{context.time_limited_unsolved} of {context.programs_solved} MILPs after --solver-time-limit "
-            f"{request.solver_time_limit_s:g} s without a solution, so whether one exists is unknown; raise "
+def time_limit_message(context: SizeSearch, request: Request, best_so_far: Plan | None = None) -> str:
+    """HiGHS stopped before proving a program optimal (or infeasible): nothing is proven, say what was found."""
+    unsolved = "" if not context.time_limited_unsolved else \
+        f", {context.time_limited_unsolved} of them before finding any solution"
+    gap = "" if context.largest_gap is None else f" (largest MIP gap when stopped: {context.largest_gap:.2%})"
+    found = ("no configuration was found, so whether one exists is unknown" if best_so_far is None else
+             f"best plan found so far, not proven best: {best_so_far.summary()}")
+    return (f"the solver's time limit was reached: HiGHS stopped {context.time_limited} of {context.programs_solved} "
+            f"MILPs at --solver-time-limit {request.solver_time_limit_s:g} s{unsolved}{gap}; {found}; raise "
             "--solver-time-limit, or make the search smaller: lower --max-peers, or allow fewer offers "
             "(--clouds, --regions, --continents)")
 
@@ -195,8 +203,8 @@ def diagnose(context: SizeSearch, request: Request) -> str:
         return options[0] if options else None
 
     fastest = best("throughput", None, None)
-    if context.time_limited_unsolved:
-        return time_limit_message(context, request)
+    if context.time_limited:
+        raise SolverTimeLimitError(time_limit_message(context, request))
     if fastest is None:
         return (f"no configuration satisfies --max-peers {max_peers}{quota_note} with the on-demand anchor "
                 f"({context.inputs.settings.anchor}); allow more GPUs per region or another anchor")
@@ -206,8 +214,8 @@ def diagnose(context: SizeSearch, request: Request) -> str:
                 "raise --max-peers, allow more regions/clouds, or lower --min-samples-per-second")
     if budget is not None:
         within = best("throughput", budget, None)
-        if context.time_limited_unsolved:
-            return time_limit_message(context, request)
+        if context.time_limited:
+            raise SolverTimeLimitError(time_limit_message(context, request))
         if within is not None and min_sps is not None:
             return (f"--budget-usd-per-hour {budget:g} and --min-samples-per-second {min_sps:g} cannot both hold: "
                     f"within the budget the fastest configuration ({within.describe()}) reaches "

@@ -3,8 +3,8 @@
 The catalog is a CSV file (shipped default: ``geotrain/data/planner/instances.csv``) with one line
 per instance type and region::
 
-    cloud,region,continent,instance_type,gpu,gpu_count,vcpus,on_demand_usd_per_hour,spot_usd_per_hour,spot_interruption_rate,source
-    gc,us-central1,us,t4-vm,T4,1,,0.572,0.180,,[EMJ24] Table 1
+    cloud,region,continent,instance_type,gpu,gpu_count,vcpus,memory_gb,on_demand_usd_per_hour,spot_usd_per_hour,spot_interruption_rate,source
+    gc,us-central1,us,t4-vm,T4,1,,,0.572,0.180,,[EMJ24] Table 1
 
 - ``gpu`` is the accelerator model as the model profiles name it (``T4``, ``A10``); ``none`` with
   ``gpu_count`` 0 for a CPU-only VM (profiles measured on a CPU use the key ``cpu``).
@@ -12,6 +12,8 @@ per instance type and region::
 - ``spot_interruption_rate`` is the expected share of a spot VM's time lost to interruptions
   (empty: the planner's default, see :data:`geotrain.planner.model.DEFAULT_SPOT_INTERRUPTION_RATE`).
 - ``vcpus`` may be empty; the planner only shows it.
+- ``memory_gb`` (optional column) is the VM's memory; a profile's ``min_vm_memory_gb`` leaves out VMs
+  known to have less (empty: unknown, never left out).
 - ``source`` says where the figures come from; every shipped line has one.
 
 Each line becomes up to two :class:`Offer` objects, one per purchase option.
@@ -30,6 +32,7 @@ DEFAULT_CATALOG = DATA_DIR / "instances.csv"
 
 CATALOG_COLUMNS = ["cloud", "region", "continent", "instance_type", "gpu", "gpu_count", "vcpus",
                    "on_demand_usd_per_hour", "spot_usd_per_hour", "spot_interruption_rate", "source"]
+OPTIONAL_COLUMNS = ["memory_gb"]  # catalogs written before the column existed still load
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Offer:
     spot_interruption_rate: float | None
     source: str
     line: int
+    memory_gb: float | None = None
 
     @property
     def site(self) -> tuple[str, str]:
@@ -90,9 +94,10 @@ def _row_offers(row) -> list[Offer]:
         raise InputFileError(f"{row.path}:{row.line}: neither on_demand_usd_per_hour nor spot_usd_per_hour is set; "
                            "give at least one price")
     interruption = row.number("spot_interruption_rate", optional=True, minimum=0, maximum=0.99)
+    memory_gb = row.number("memory_gb", optional=True, minimum=0.001)
     source = row.text("source")
     common = dict(cloud=cloud, region=region, continent=continent, instance_type=instance_type, gpu=gpu,
-                  gpu_count=gpu_count, vcpus=vcpus, source=source, line=row.line)
+                  gpu_count=gpu_count, vcpus=vcpus, source=source, line=row.line, memory_gb=memory_gb)
     offers = []
     if on_demand is not None:
         offers.append(Offer(price_usd_per_hour=on_demand, spot=False, spot_interruption_rate=None, **common))

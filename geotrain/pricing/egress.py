@@ -7,16 +7,17 @@ The file (shipped default: ``geotrain/data/planner/egress.csv``) has one price p
 
 ``cloud`` is the *source* cloud (the sender pays). ``kind`` is one of
 
-- ``inter_zone``: to another zone of the same region (used only with ``--spread-zones``);
+- ``same_region``: to another VM of the same region, the default placement (a missing line: free);
+- ``inter_zone``: to another zone of the same region (used instead with ``--spread-zones``);
 - ``inter_region``: to another region of the same cloud on the same continent; ``continent`` is
   that continent;
 - ``between_continents``: to a region of the same cloud on another continent; ``continent`` is
   the destination continent, or ``*`` for any;
 - ``internet``: to another cloud; ``continent`` is the destination continent or ``*``;
-- ``data_loading``: reading training data from object storage (cloud ``*`` allowed).
+- ``data_loading``: reading training data from object storage (cloud ``*`` allowed); ``continent`` is
+  the reading VM's continent, so a line can make reads next to the bucket free.
 
-A line naming a continent wins over a ``*`` line. VMs of one region are assumed to share a zone,
-so their traffic is free unless ``--spread-zones`` is given.
+A line naming a continent wins over a ``*`` line, a line naming a cloud over a ``*`` cloud.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from geotrain.pricing.errors import InputFileError
 from geotrain.pricing.table import read_table
 
 DEFAULT_EGRESS = DATA_DIR / "egress.csv"
-KINDS = ("inter_zone", "inter_region", "between_continents", "internet", "data_loading")
+KINDS = ("same_region", "inter_zone", "inter_region", "between_continents", "internet", "data_loading")
 
 
 @dataclass
@@ -49,7 +50,7 @@ class EgressPrices:
             kind = "internet"
         elif source.region == destination.region:
             if not spread_zones:
-                return 0.0
+                return self._lookup(source.cloud, "same_region", destination.continent) or 0.0
             kind = "inter_zone"
         elif source.continent == destination.continent:
             kind = "inter_region"
@@ -62,13 +63,14 @@ class EgressPrices:
                                f"'{source.cloud},{kind},{destination.continent},USD_PER_GB,SOURCE'")
         return price
 
-    def data_loading_usd_per_gb(self, cloud: str) -> float:
-        price = self._lookup(cloud, "data_loading", "*")
+    def data_loading_usd_per_gb(self, reader: Offer) -> float:
+        """Price per GB of training data that a VM like ``reader`` reads from object storage (0 without a line)."""
+        price = self._lookup(reader.cloud, "data_loading", reader.continent)
         return 0.0 if price is None else price
 
     def check_clouds(self, clouds: set[str]) -> None:
         """Fail early, naming the cloud, when the catalog has a cloud that the price file lacks."""
-        known = {cloud for cloud, kind, _ in self.prices if kind != "data_loading"}
+        known = {cloud for cloud, kind, _ in self.prices if kind not in ("data_loading", "same_region")}
         missing = sorted(clouds - known)
         if missing and "*" not in known:
             raise InputFileError(f"{self.path or 'egress prices'}: no egress prices for cloud(s) {', '.join(missing)} "

@@ -105,7 +105,8 @@ class PriceBook:
         """$/GB the source's cloud bills for bytes sent to the destination, or None when nothing prices it.
 
         Sites are ``(cloud, region)``; a destination's cloud may be None when it is not known (then only
-        a config rule can price traffic to it). Within one region: ``same_region_usd_per_gb``, else free.
+        a config rule can price traffic to it). Within one region: ``same_region_usd_per_gb``, else the
+        egress file's ``same_region`` price of the source's cloud (free for a site the catalog lacks).
         Between regions: the most specific config rule, else the planner's price
         (:meth:`geotrain.pricing.egress.EgressPrices.usd_per_gb`) when the catalog lists both sites.
         """
@@ -114,7 +115,10 @@ class PriceBook:
         destination_site = (None if destination_cloud is None else catalog_cloud(destination_cloud),
                             destination_region.strip().lower())
         if source_site == destination_site:
-            return 0.0 if self.same_region_usd_per_gb is None else self.same_region_usd_per_gb
+            if self.same_region_usd_per_gb is not None:
+                return self.same_region_usd_per_gb
+            sender = self._representative.get(source_site)  # the planner's same-region price of that cloud
+            return 0.0 if sender is None else self.egress.usd_per_gb(sender, sender)
         rule_price = self._rule_usd_per_gb(source_site[1], destination_site[1])
         if rule_price is not None:
             return rule_price

@@ -14,7 +14,8 @@ import pytest
 
 from geotrain.planner import milp
 from geotrain.planner.__main__ import main
-from geotrain.planner.errors import PlannerError
+from geotrain.errors import UserError
+from geotrain.planner.errors import PlannerError, SolverTimeLimitError
 from geotrain.planner.milp import Program
 from geotrain.planner.model import Settings
 from geotrain.planner.network import load_network
@@ -158,28 +159,32 @@ def test_time_limit_without_a_solution_is_not_called_infeasible(capsys):
     assert "2x gc/europe-west4 t4-vm spot + 2x gc/us-central1 t4-vm spot" in capsys.readouterr().out
     result = run_plan(*QUOTA_ARGS, "--solver-time-limit", "1e-9")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert ("geotrain plan: the solver's time limit was reached before any configuration was found: HiGHS stopped "
-            "1 of 1 MILPs after --solver-time-limit 1e-09 s without a solution, so whether one exists is unknown; "
-            "raise --solver-time-limit, or make the search smaller: lower --max-peers, or allow fewer offers "
-            "(--clouds, --regions, --continents)") in result.stderr
+    assert re.fullmatch(r"geotrain plan: the solver's time limit was reached: HiGHS stopped (\d+) of \1 MILPs at "
+                        r"--solver-time-limit 1e-09 s, \1 of them before finding any solution; no configuration was "
+                        r"found, so whether one exists is unknown; raise --solver-time-limit, or make the search "
+                        r"smaller: lower --max-peers, or allow fewer offers \(--clouds, --regions, --continents\)",
+                        result.stderr.strip()), result.stderr
     assert "out of reach" not in result.stderr
     # Truly infeasible (beyond 4 T4s) keeps naming the constraint.
     assert main(["plan", *QUOTA_ARGS[:-1], "200", "--solver-time-limit", "5"]) == 2
     assert "--min-samples-per-second 200 is out of reach" in capsys.readouterr().err
 
 
-def test_time_limit_with_solutions_gives_the_plan_and_says_it_may_not_be_optimal():
+def test_time_limit_is_its_own_error_naming_the_best_plan_found_so_far():
     result = run_plan("--profile", "convnext_large", "--max-peers", "4", "--solver-time-limit", "1e-9")
-    assert result.returncode == 0, result.stderr
-    assert "Why #1:" in result.stdout
-    assert re.search(r"Not proven optimal: HiGHS reached the time limit \(--solver-time-limit 1e-09 s per MILP\) "
-                     r"in (\d+) of \1 MILPs, \1 of them before finding any solution; the plan is the best found",
-                     result.stdout), result.stdout
-    assert "Raise --solver-time-limit" in result.stdout
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr  # one line
+    found = re.fullmatch(r"geotrain plan: the solver's time limit was reached: HiGHS stopped (\d+) of (\d+) MILPs at "
+                         r"--solver-time-limit 1e-09 s, \1 of them before finding any solution; best plan found so "
+                         r"far, not proven best: (.+), ([\d.]+) samples/s, \$([\d.]+)/h, \$([\d.]+) per 1M samples; "
+                         r"raise --solver-time-limit, .*", result.stderr.strip())
+    assert found, result.stderr
+    # n = 1 needs no MILP, so the one-VM plans are found; the best of them is named.
+    assert found.group(3).startswith("1x ")
 
 
-def test_a_time_limited_solution_is_used_and_its_gap_reported(monkeypatch):
-    """HiGHS stopping with a solution (a gap of 5%): the search uses it and the plan says so."""
+def test_a_time_limited_solution_is_not_passed_off_as_the_plan(monkeypatch):
+    """HiGHS stopping with a solution (a gap of 5%): the error carries the plan found, and says its gap."""
     solve = Program.solve
 
     def stopped_early(self, time_limit_s=30.0):
@@ -191,15 +196,19 @@ def test_a_time_limited_solution_is_used_and_its_gap_reported(monkeypatch):
     inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
     request = Request(max_peers=5, min_samples_per_second=150, solver_time_limit_s=7)
     exact = plan(inputs, request)
-    assert exact.proven_optimal and exact.time_limit_note() is None
+    assert exact.proven_optimal
     monkeypatch.setattr(Program, "solve", stopped_early)
-    stopped = plan(inputs, request)
-    assert not stopped.proven_optimal and stopped.time_limited >= 1 and stopped.time_limited_unsolved == 0
+    with pytest.raises(SolverTimeLimitError) as error:
+        plan(inputs, request)
+    stopped = error.value.best_so_far
+    assert isinstance(error.value, UserError) and not stopped.proven_optimal
+    assert stopped.time_limited >= 1 and stopped.time_limited_unsolved == 0
     assert stopped.best.samples_per_second >= 150
     assert stopped.best.usd_per_million_samples >= exact.best.usd_per_million_samples * (1 - 1e-9)
-    note = stopped.time_limit_note()
-    assert f"(--solver-time-limit 7 s per MILP) in {stopped.time_limited} of {stopped.programs_solved} MILPs " \
-           "(largest MIP gap when stopped: 5.00%)" in note
+    message = str(error.value)
+    assert f"HiGHS stopped {stopped.time_limited} of {stopped.programs_solved} MILPs at --solver-time-limit 7 s " \
+           "(largest MIP gap when stopped: 5.00%)" in message
+    assert f"best plan found so far, not proven best: {stopped.best.describe()}" in message
 
 
 def test_infeasible_request_is_still_infeasible_not_a_time_limit():

@@ -121,3 +121,29 @@ def test_catalog_cloud_without_egress_prices_is_named(tmp_path):
                            "*,data_loading,*,0.01,x\n", "egress.csv")
     with pytest.raises(PlannerError, match=r"no egress prices for cloud\(s\) aws"):
         load_egress(path).check_clouds({"gc", "aws"})
+
+
+def test_every_cloud_sells_t4s_on_four_continents_with_labelled_prices():
+    """Geo-distributed AWS and Azure plans use regional prices (derived from [EMJ24] Fig. 11b), not US ones."""
+    t4 = [o for o in load_catalog() if o.instance_type == "t4-vm" and o.spot]
+    for cloud in ("gc", "aws", "azure"):
+        mine = {o.continent: o for o in t4 if o.cloud == cloud}
+        assert set(mine) == {"us", "eu", "asia", "oce"}, cloud
+        assert all(o.source.startswith("derived:") for c, o in mine.items() if c != "us")
+        assert mine["us"].source.startswith("[EMJ24] Table 1")
+
+
+def test_memory_column_is_optional_and_shipped_for_the_small_aws_vms(tmp_path):
+    assert load_catalog(write(tmp_path, HEADER + GOOD))[0].memory_gb is None  # catalogs without the column
+    small = {o.instance_type: o.memory_gb for o in load_catalog() if o.cloud == "aws"}
+    assert small["g4dn.xlarge"] == 16 and small["g5.xlarge"] == 16
+
+
+def test_same_region_traffic_and_data_loading_are_priced():
+    egress = load_egress()
+    offers = load_catalog()
+    us = next(o for o in offers if o.region == "us-central1")
+    eu = next(o for o in offers if o.region == "europe-west4")
+    assert egress.usd_per_gb(us, us) == 0.0015  # derived from [EMJ24]'s internal egress
+    assert egress.usd_per_gb(us, us, spread_zones=True) == 0.01  # [EMJ24] Table 1 inter-zone
+    assert egress.data_loading_usd_per_gb(eu) == 0.01 and egress.data_loading_usd_per_gb(us) == 0.0

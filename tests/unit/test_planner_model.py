@@ -40,11 +40,11 @@ def test_worked_example_two_continents():
     # VMs 2 x 0.18 + 2 x 0.572 = 1.504 $/h, coordinator 0.17 $/h.
     assert p.vm_usd_per_hour == pytest.approx(1.504)
     assert p.compute_usd_per_hour == pytest.approx(1.674)
-    # Egress per round: 4 US->EU and 4 EU->US peer pairs x 0.1 GB x $0.08/GB (GC between continents) = $0.064;
-    # same-region pairs are free. Rounds per hour: 3600 / 66.8536 = 53.849.
-    assert p.egress_usd_per_hour == pytest.approx(0.064 * 3600 / round_s, rel=1e-6)  # 3.446 $/h
-    assert p.usd_per_hour == pytest.approx(1.674 + 0.064 * 3600 / round_s, rel=1e-6)  # 5.120 $/h
-    assert p.usd_per_million_samples == pytest.approx(5.1204 / (14.958 * 3600) * 1e6, rel=1e-3)  # $95.09
+    # Egress per round: 4 US->EU and 4 EU->US peer pairs x 0.1 GB x $0.08/GB (GC between continents) = $0.064,
+    # plus 4 same-region pairs x 0.1 GB x $0.0015/GB (GC same region) = $0.0006. Rounds per hour: 3600 / 66.8536.
+    assert p.egress_usd_per_hour == pytest.approx(0.0646 * 3600 / round_s, rel=1e-6)  # 3.479 $/h
+    assert p.usd_per_hour == pytest.approx(1.674 + 0.0646 * 3600 / round_s, rel=1e-6)  # 5.153 $/h
+    assert p.usd_per_million_samples == pytest.approx(5.1528 / (14.958 * 3600) * 1e6, rel=1e-3)  # $95.69
     assert p.usd_to_train(1e6) == pytest.approx(p.usd_per_million_samples)
     assert p.hours_to_train(1e6) == pytest.approx(1e6 / 14.958 / 3600, rel=1e-3)
 
@@ -60,10 +60,24 @@ def test_spread_zones_bills_inter_zone_traffic():
     network, egress = load_network(), load_egress()
     one_zone = evaluate({US_SPOT: 3}, PROFILE, network, egress, Settings())
     spread = evaluate({US_SPOT: 3}, PROFILE, network, egress, Settings(spread_zones=True))
-    assert one_zone.egress_usd_per_hour == 0
-    # 3 x 2 ordered pairs x (2 x 200 MB / 3) x $0.01/GB per round
-    per_round = 6 * (0.4 / 3) * 0.01
-    assert spread.egress_usd_per_hour == pytest.approx(per_round * 3600 * spread.samples_per_second / 1000)
+    # 3 x 2 ordered pairs x (2 x 200 MB / 3) per round: $0.0015/GB in one zone (GC same region), $0.01 spread
+    pairs_gb = 6 * (0.4 / 3)
+    assert one_zone.egress_usd_per_hour == pytest.approx(pairs_gb * 0.0015 * 3600 * one_zone.samples_per_second / 1000)
+    assert spread.egress_usd_per_hour == pytest.approx(pairs_gb * 0.01 * 3600 * spread.samples_per_second / 1000)
+
+
+def test_data_loading_is_paid_by_each_vm_at_its_continents_price():
+    profile = ModelProfile(name="x", parameters=100_000_000, bytes_per_parameter=2, target_batch_size=1000,
+                           samples_per_second={"T4": 10.0}, hivemind_efficiency=0.5, round_overhead_s=10.0,
+                           data_bytes_per_sample=1e6)
+    eu_spot = vm("europe-west4", "eu", 0.18, True, interruption=0.1)
+    p = evaluate({US_SPOT: 1, eu_spot: 1}, profile, load_network(), load_egress(), Settings())
+    # 1 GB per round (1000 samples of 1 MB), read half in the US (free, next to the data) and half in the EU
+    # ($0.01/GB, [EMJ24] object storage); both peers compute at the same rate.
+    rounds_per_hour = 3600 * p.samples_per_second / 1000
+    assert p.data_usd_per_hour == pytest.approx(0.5 * 0.01 * rounds_per_hour)
+    alone = evaluate({US_SPOT: 1}, profile, load_network(), load_egress(), Settings())
+    assert alone.data_usd_per_hour == 0
 
 
 def test_whole_instance_figure_wins_over_per_gpu_figure():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -80,9 +81,18 @@ SCENARIOS = [
 ]
 
 
-@pytest.mark.parametrize("objective,request_,settings", SCENARIOS)
-def test_optimiser_matches_brute_force(objective, request_, settings):
-    inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), settings)
+# Each VM reads its share of the samples from object storage: free in the US, $0.01/GB elsewhere.
+READS_DATA = replace(PROFILE, data_bytes_per_sample=500_000)
+
+
+@pytest.mark.parametrize("objective,request_,settings,profile", [
+    *[(*scenario, PROFILE) for scenario in SCENARIOS],
+    ("cost-per-sample", Request(max_peers=5, min_samples_per_second=150, region_quota_gpus={"us-central1": 2}),
+     Settings(), READS_DATA),
+    ("throughput", Request(max_peers=4, budget_usd_per_hour=1.6), Settings(), READS_DATA),
+])
+def test_optimiser_matches_brute_force(objective, request_, settings, profile):
+    inputs = Inputs(CATALOG, profile, load_network(), load_egress(), settings)
     expected = brute_force(inputs, request_, objective)
     got = plan(inputs, request_, objective=objective).best
     if objective == "throughput":
@@ -171,3 +181,31 @@ def test_top_table_is_the_best_sizes_in_order(objective, request_):
     attribute = "samples_per_second" if objective == "throughput" else "usd_per_million_samples"
     assert [getattr(p, attribute) for p in got] == pytest.approx([getattr(p, attribute) for p in per_size[:3]],
                                                                  rel=1e-6)
+
+
+def test_vms_without_a_figure_or_too_small_are_left_out_with_a_line():
+    small = offer("aws", "us-east-1", "us", "T4", 0.10, True, 5)
+    small = replace(small, instance_type="g4dn.xlarge", memory_gb=16.0)
+    a10g = replace(offer("aws", "us-east-1", "us", "A10G", 0.30, True, 6), instance_type="g5.xlarge")
+    profile = replace(PROFILE, min_vm_memory_gb=24.0)
+    inputs = Inputs([*CATALOG, small, a10g], profile, load_network(), load_egress(), Settings())
+    result = plan(inputs, Request(max_peers=3))
+    assert all(o.instance_type not in ("g4dn.xlarge", "g5.xlarge") for p in result.candidates for o, _ in p.counts)
+    assert result.left_out == [
+        "aws g5.xlarge (A10G): profile 'test' has no samples/s for this GPU (add a measured figure to use them)",
+        "aws g4dn.xlarge (T4): 16 GB of memory, below the 24 GB that 'test' needs (min_vm_memory_gb)"]
+    # Without the minimum, the cheap small VM is used.
+    cheap = plan(Inputs([*CATALOG, small], PROFILE, load_network(), load_egress(), Settings()), Request(max_peers=3))
+    assert any(o.instance_type == "g4dn.xlarge" for p in cheap.candidates for o, _ in p.counts)
+    assert cheap.left_out == []
+
+
+def test_the_coordinator_is_a_cpu_vm_even_when_the_filters_allow_none():
+    cpu = replace(offer("aws", "us-east-1", "us", "T4", 0.17, False, 7), instance_type="c5.xlarge", gpu="none",
+                  gpu_count=0)
+    inputs = Inputs([*CATALOG, cpu], PROFILE, load_network(), load_egress(), Settings())
+    everywhere = plan(inputs, Request(max_peers=2))
+    assert everywhere.coordinator == cpu and everywhere.coordinator_note == ""
+    gc_only = plan(inputs, Request(max_peers=2, clouds=frozenset({"gc"})))
+    assert gc_only.coordinator == cpu and "no CPU-only VM" in gc_only.coordinator_note
+    assert gc_only.best.coordinator_usd_per_hour == 0.17  # not the $0.572/h T4 of gc (40% of 8 spot T4s)

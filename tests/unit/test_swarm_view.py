@@ -63,8 +63,9 @@ def test_egress_cost_from_measured_bytes_between_two_records():
     assert before.egress_usd_per_hour == 0.0  # one record says nothing about a rate
     after = view.update({"a": record("a", "us", time=110.0, sent={"eu": 10 * GB, "asia": 1 * GB, "us": 5 * GB}),
                          "b": record("b", "eu"), "c": record("c", "asia")})
-    # per second: 1 GB to eu and 0.1 GB to asia at gc's $0.08/GB between continents, 0.5 GB within us for free
-    expected_per_hour = 3600 * (1 * 0.08 + 0.1 * 0.08 + 0.5 * 0.0)
+    # per second: 1 GB to eu and 0.1 GB to asia at gc's $0.08/GB between continents, 0.5 GB within us at gc's
+    # same-region price ($0.0015/GB, egress.csv)
+    expected_per_hour = 3600 * (1 * 0.08 + 0.1 * 0.08 + 0.5 * 0.0015)
     assert after.egress_usd_per_hour == pytest.approx(expected_per_hour)
     assert after.egress_bytes_per_second[("us-central1", "europe-west4")] == pytest.approx(1 * GB)
     assert after.unpriced_routes == set()
