@@ -243,3 +243,39 @@ def test_non_finite_parameters_after_a_step_are_restored(tmp_path):
     assert all(torch.equal(p, g) for p, g in zip(model.parameters(), good))
     assert report.counts()[("parameters", "non-finite after step")] == 1
     assert not math.isnan(float(model.weight.detach().sum()))
+
+
+# --- a donor serves a bounded number of downloads at once --------------------------------------------------
+class _SlowDonor:
+    """Stands in for hivemind's averager below the guard: a download that takes a while."""
+
+    async def rpc_download_state(self, request, context):
+        for part in range(3):
+            await asyncio.sleep(0.05)
+            yield part
+
+
+class _Caller:
+    def __init__(self, peer_id: str):
+        self.remote_id = PeerID.from_base58(peer_id)
+
+
+def test_a_donor_serves_at_most_its_limit_of_downloads_at_once():
+    from geotrain.hive.guard import GuardedAveragerMixin
+
+    class Donor(GuardedAveragerMixin, _SlowDonor):
+        guard_config = GuardConfig(max_concurrent_downloads=2)
+        guard_report = GuardReport(None)
+        peer_id = PeerID.from_base58(PEER_A)
+
+    donor = Donor()
+
+    async def download() -> int:
+        return len([part async for part in donor.rpc_download_state(None, _Caller(PEER_B))])
+
+    async def five_at_once() -> list[int]:
+        return await asyncio.gather(*(download() for _ in range(5)))
+
+    assert sorted(run(five_at_once())) == [0, 0, 0, 3, 3]  # two served in full, three sent on to other donors
+    assert donor.guard_report.counts()[("download_state", "busy")] == 3
+    assert run(download()) == 3  # the slots are free again

@@ -123,6 +123,15 @@ ALERT_CASES = {
         _series("geotrain_samples_total", {"run_id": "watched", "role": "trainer"}, "0+100x30"),
         _series("geotrain_swarm_global_epoch", {"run_id": "watched"}, "1+1x30"),
     ], [("5m", []), ("20m", ["orphan"])]),
+    "bad peer": _case("GeotrainBadPeer", [
+        _series("geotrain_guard_refusals_total", {"run_id": "attacked", "role": "trainer", "what": "contribution",
+                                                  "reason": "non-finite"}, "0x10 1 2 2x30"),
+        # refused requests of a private swarm's outsider, and busy downloads, are not a bad peer in the swarm
+        _series("geotrain_guard_refusals_total", {"run_id": "private", "role": "trainer", "what": "join_group",
+                                                  "reason": "not admitted"}, "0+1x40"),
+        _series("geotrain_guard_refusals_total", {"run_id": "private", "role": "trainer", "what": "download_state",
+                                                  "reason": "busy"}, "0+1x40"),
+    ], [("5m", []), ("14m", ["attacked"]), ("35m", [])]),
 }
 
 
