@@ -17,7 +17,7 @@ demo: $(STAMP)
 		--run-dir runs/demo --json runs/demo/summary.json
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
