@@ -358,7 +358,8 @@ class MetricsConfig(_Strict):
                           "coordinator (as the startup scripts rent them). With cloud, region and instance_type it "
                           "picks the VM's price from the catalog (see cost).")
     publish_interval_s: float = Field(
-        5.0, gt=0, description="How often a peer measures its traffic and publishes its metric record in the DHT.")
+        5.0, gt=0, le=600, description="How often a peer measures its traffic and publishes its metric record in the "
+                                       "DHT (at most 600 s: peers refuse records that live over an hour).")
     target_epoch: int | None = Field(
         None, ge=1, description="Epoch the swarm's ETA counts down to; default: training.max_epochs.")
 
@@ -485,7 +486,8 @@ class TrainingConfig(_Strict):
         60.0, gt=0, description="Train anyway when that many trainers have not joined within this time.")
     events_path: Path | None = Field(None, description="Write one JSON line per state change of this peer here.")
     final_agreement_timeout_s: float = Field(
-        60.0, gt=0, description="At max_epochs, how long trainers try to agree on one final state.")
+        60.0, gt=0, le=1200, description="At max_epochs, how long trainers try to agree on one final state (at most "
+                                         "1200 s: peers refuse records that live over an hour).")
 
 
 class GuardConfig(_Strict):

@@ -19,6 +19,7 @@ from geotrain.ports import ensure_port_free
 from geotrain.hive.admission import (Admission, MembershipAnnouncer, SwarmTokenAuthorizer, load_allowed_peer_ids,
                                      load_swarm_token)
 from geotrain.hive.metric_records import MetricsSchema
+from geotrain.hive.record_limits import RecordLimits
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,10 @@ class ListenError(UserError):
 
 
 def record_validators(run_id: str):
-    """Validators that make every peer reject unsigned or malformed progress and metric records."""
+    """Validators that make every peer reject unsigned or malformed progress and metric records, and bound the
+    size, rate and number of the run's records (a flood grows no memory)."""
     return [SchemaValidator(TrainingProgressSchema, prefix=run_id), SchemaValidator(MetricsSchema, prefix=run_id),
-            RSASignatureValidator()]
+            RSASignatureValidator(), RecordLimits(run_id)]
 
 
 def start_dht(swarm: SwarmConfig):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -102,6 +103,9 @@ class PeerRecord:
     expiration_time: float
 
 
+OWNER_SUBKEY = re.compile(rb"\[owner:[^\]]+\]")  # exactly hivemind's "[owner:KEY]", nothing around it
+
+
 def owner_fingerprint(subkey: bytes) -> str:
     return hashlib.sha256(subkey).hexdigest()[:16]
 
@@ -114,10 +118,13 @@ def read_records(dht, run_id: str) -> dict[str, PeerRecord]:
     """
     records: dict[str, PeerRecord] = {}
     for subkey, (value, expiration_time) in read_subkeys(dht, metrics_key(run_id)).items():
+        subkey = subkey if isinstance(subkey, bytes) else str(subkey).encode()
+        if not OWNER_SUBKEY.fullmatch(subkey):
+            continue  # hivemind accepts any subkey that *contains* the signer's key: one key, many rows
         try:
             record = MetricRecord.parse_obj(value)
         except Exception:  # nodes validate on store; a record from an older version is skipped, not fatal
             continue
-        owner = owner_fingerprint(subkey if isinstance(subkey, bytes) else str(subkey).encode())
+        owner = owner_fingerprint(subkey)
         records[owner] = PeerRecord(owner, record, expiration_time)
     return records

@@ -140,3 +140,46 @@ def test_forged_overwritten_and_malformed_records_are_refused(two_region_swarm):
     assert "poison" not in rows
     assert 0 < rows[victim]["samples_per_second"] < 1e6, "the victim's record was replaced"
     assert value(scrape(ports["coordinator"]), "geotrain_swarm_samples_per_second") < 1e6
+
+
+def test_a_flood_of_metric_records_grows_no_memory_and_the_trainers_records_still_arrive(two_region_swarm):
+    """A peer floods the metric key with an oversized record, rapid rewrites of one subkey and hundreds of
+    subkeys of its own: every node keeps what fits in one DHT response, and the view still follows both
+    trainers. (Needs RecordLimits in geotrain.hive.dht.record_validators.)"""
+    from geotrain.hive.dht import record_validators
+    from geotrain.hive.record_limits import Limits, RecordLimits
+
+    assert any(isinstance(validator, RecordLimits) for validator in record_validators(RUN_ID)), \
+        "RecordLimits(run_id) is not among geotrain.hive.dht.record_validators(run_id)"
+    swarm, ports, directory = two_region_swarm
+    limits, fresh, rewrites = Limits(), 350, 500  # both beyond what the limits let in
+
+    def trainer_epochs() -> dict[str, int]:
+        result = geotrain("status", "--once", "--json", "--run-id", RUN_ID, "--initial-peers", swarm.initial_peers[0],
+                          timeout_s=90)
+        assert result.returncode == 0, result.stderr
+        rows = json.loads(result.stdout.splitlines()[-1])["peers"]
+        return {row["region"]: row["epoch"] for row in rows if row["region"] in ("us", "eu")}
+
+    before = trainer_epochs()
+    attack = subprocess.run([sys.executable, str(ATTACKER), "flood", RUN_ID, str(fresh), str(rewrites),
+                             *swarm.initial_peers], capture_output=True, text=True, timeout=240)
+    assert attack.returncode == 0, attack.stderr
+    outcome = json.loads(attack.stdout.splitlines()[-1])
+
+    assert len(outcome["held"]) == 3, "the attacker should reach the coordinator and both trainers"
+    assert outcome["oversized_bytes"] > limits.max_value_bytes
+    assert not any(node["accepted"] for node in outcome["oversized"].values())
+    # a node may also get the flood's records from the others (hivemind replicates and caches what peers read),
+    # so what each node accepted from the attacker is bounded, not fixed
+    for node in outcome["rewrites"].values():  # no more versions than the token bucket gives
+        assert node["accepted"] <= limits.version_burst + limits.max_versions_per_s * node["seconds"], outcome
+    assert all(node["accepted"] < fresh for node in outcome["fresh"].values()), outcome["fresh"]
+    assert any(node["accepted"] for node in outcome["fresh"].values()), "the flood did not arrive"
+    for node, held in outcome["held"].items():
+        assert held is not None, f"{node}: its metric records no longer fit in one DHT response"
+        assert held["bytes"] <= limits.max_key_bytes and held["subkeys"] < fresh, held
+        assert held["honest"] >= 2, f"{node} dropped the trainers' records: {held}"
+    wait_for(lambda: all(epoch > before[region] for region, epoch in trainer_epochs().items()), 90,
+             "both trainers' records to report a later epoch than before the flood")
+    assert "refused under DHT key metrics-test_metrics" in swarm.log("coordinator")

@@ -167,3 +167,26 @@ def test_unpriced_peers_and_routes_are_exported_as_counts():
     # bytes to a peer of no known region: one unpriced route, and only the eu traffic costs money
     assert value["geotrain_swarm_unpriced_routes"] == 1
     assert value["geotrain_swarm_egress_cost_dollars_per_hour"] == pytest.approx(3600 * 1 * 0.08)
+
+
+class _DHTHolding:
+    """What a DHT node answers for the metrics key: subkey -> record (values as hivemind returns them)."""
+
+    def __init__(self, entries: dict[bytes, dict]):
+        from hivemind.utils import ValueWithExpiration
+        self.answer = ValueWithExpiration({subkey: ValueWithExpiration(value, 1e12)
+                                           for subkey, value in entries.items()}, 1e12)
+
+    def get(self, key, latest=True):
+        return self.answer
+
+
+def test_one_signing_key_is_one_row_however_many_subkeys_it_signs():
+    from geotrain.hive.metric_records import read_records
+
+    honest = record("a").dict()
+    owner = b"[owner:ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQC1]"
+    # hivemind accepts any subkey that contains the signer's key: a flood of rows from one key
+    forged = {owner + f"-{index}".encode(): record(f"fake{index}").dict() for index in range(50)}
+    rows = read_records(_DHTHolding({owner: honest, **forged}), "run")
+    assert [row.record.peer_id for row in rows.values()] == ["a"]
