@@ -134,6 +134,28 @@ class RecordingStateAverager(TrainingStateAverager):
             self.loaded_epoch = self.local_epoch
         return result
 
+    step_guard: StepGuard | None = None  # set by build_hivemind_optimizer: holds the last good parameters
+
+    @torch.no_grad()
+    def _apply_optimizer_parameters_(self):
+        """hivemind's copy of the offloaded parameters into the model, unless they are not finite.
+
+        With the offloaded optimizer hivemind averages state *in place* in the offloaded parameters
+        (``reuse_tensors``), so a span reduced by a bad peer lands there directly: put the last good step's
+        parameters (and buffers) back first, as after a failed round.
+        """
+        offloaded = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if not (all_finite(offloaded) and all_finite(self.extra_tensors)):
+            restored = self.step_guard is not None and self.step_guard.restore(offloaded, self.extra_tensors)
+            self.optimizer.state.clear() if restored else None
+            logger.warning("non-finite parameters after a state averaging round; %s", "restored those of the last good "
+                           "step" if restored else "no good copy is kept (guard.keep_last_good_parameters is off)")
+            if self.guard_report is not None:
+                self.guard_report.count("parameters", "non-finite state average")
+                self.guard_report.event("state_average_refused", peer_id=self.peer_id.to_base58(),
+                                        reason="non-finite", restored=restored)
+        return super()._apply_optimizer_parameters_()
+
     @torch.no_grad()
     def _apply_averaging_results_(self):
         """hivemind's copy of a state averaging round's result into the parameters, unless it is not finite
@@ -227,6 +249,13 @@ class LocalGradientsKeepingAverager(GradientAverager):
             for kept, averaged in zip(self._kept_gradients, averaged_gradients):
                 kept.copy_(averaged)
         self.kept_for, self._starting = self._starting, None
+
+    def kept_gradients_norm(self) -> float | None:
+        """L2 norm of this peer's own gradients of the latest round it started (None before the first)."""
+        if self._kept_gradients is None:
+            return None
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
+                                                           for g in self._kept_gradients])))
 
     @torch.no_grad()
     def load_kept_gradients_into_averager_(self, control) -> bool:
@@ -368,4 +397,10 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         verbose=False,
     )
     optimizer.on_averaging_round = on_averaging_round
+    averager = getattr(optimizer, "grad_averager", None)
+    if step_guard is not None and isinstance(averager, LocalGradientsKeepingAverager):
+        step_guard.own_gradient_norm = averager.kept_gradients_norm
+    if step_guard is not None:
+        optimizer.state_averager.step_guard = step_guard
+        step_guard.extra_tensors = list(optimizer.state_averager.extra_tensors)  # buffers: kept with the parameters
     return optimizer

@@ -6,8 +6,8 @@ alike; so a check there decides the same on every peer that took part in the rou
 - a non-finite averaged gradient skips the step;
 - so does one whose L2 norm is over ``guard.step_norm_factor`` times the median of the last
   ``guard.step_norm_window`` applied steps' (a poisoned round that got past the contribution checks, e.g.
-  from a peer that reduced a part of the vector); the check starts once 4 steps are known, so a newcomer's
-  first steps are not checked;
+  from a peer that reduced a part of the vector); that check starts once 4 steps are known, and from the
+  first step on, one over 100x (10 x ``guard.step_norm_factor``) this peer's own gradient is skipped too;
 - non-finite parameters after a step (an overflow inside the optimizer) are replaced by the copy of
   the last good step (``guard.keep_last_good_parameters``: one parameter-sized copy in host memory).
 """
@@ -42,13 +42,24 @@ def total_norm(tensors) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
 
 
+OWN_NORM_FACTOR = 10  # x guard.step_norm_factor: the bound against this peer's own gradient, checked from step 1
+
+
 class StepGuard:
-    def __init__(self, config: GuardConfig, report, peer_id: str):
+    """``own_gradient_norm``: a callable giving the norm of this peer's own contribution to the round being
+    applied (None when unknown); the average of honest mean gradients is never far above any of them, so
+    an average over ``OWN_NORM_FACTOR x guard.step_norm_factor`` times it is skipped even before the median
+    is known (a newcomer's first steps, a swarm's first steps)."""
+
+    def __init__(self, config: GuardConfig, report, peer_id: str, own_gradient_norm=None):
         self.config = config
         self.report = report
         self.peer_id = peer_id
+        self.own_gradient_norm = own_gradient_norm
         self.recent_norms: deque[float] = deque(maxlen=config.step_norm_window)
         self.last_good: list[torch.Tensor] | None = None
+        self.extra_tensors: list[torch.Tensor] = []  # buffers (batch norm statistics), kept with the parameters
+        self.last_good_extras: list[torch.Tensor] | None = None
         self.steps = 0
 
     def allows_step(self, gradients) -> bool:
@@ -58,11 +69,17 @@ class StepGuard:
         reason = detail = None
         if norm != norm or norm == float("inf"):
             reason, detail = "non-finite", "the averaged gradient has non-finite values"
-        elif len(self.recent_norms) >= MIN_KNOWN_STEPS:
-            median = statistics.median(self.recent_norms)
-            if median > 0 and norm > self.config.step_norm_factor * median:
-                reason, detail = "norm", (f"the averaged gradient's norm {norm:.4g} is {norm / median:.3g}x the median "
-                                          f"{median:.4g} of the last {len(self.recent_norms)} steps")
+        else:
+            own = self.own_gradient_norm() if self.own_gradient_norm is not None else None
+            bound = OWN_NORM_FACTOR * self.config.step_norm_factor
+            if own is not None and own > 0 and norm > bound * own:
+                reason, detail = "norm", (f"the averaged gradient's norm {norm:.4g} is {norm / own:.3g}x this peer's "
+                                          f"own gradient's {own:.4g} (at most {bound:.0f}x)")
+            elif len(self.recent_norms) >= MIN_KNOWN_STEPS:
+                median = statistics.median(self.recent_norms)
+                if median > 0 and norm > self.config.step_norm_factor * median:
+                    reason, detail = "norm", (f"the averaged gradient's norm {norm:.4g} is {norm / median:.3g}x the "
+                                              f"median {median:.4g} of the last {len(self.recent_norms)} steps")
         if reason is None:
             if norm > 0:  # hivemind initialises the optimizer with one all-zero step
                 self.recent_norms.append(norm)
@@ -76,19 +93,29 @@ class StepGuard:
     def after_step(self, parameters, optimizer) -> None:
         """Keep a copy of good parameters; put it back over non-finite ones (and restart the optimizer's
         statistics, which the same overflow spoilt)."""
-        if all_finite(parameters):
+        if all_finite(parameters) and all_finite(self.extra_tensors):
             if self.config.keep_last_good_parameters:
                 if self.last_good is None:
                     self.last_good = [torch.empty_like(p, device="cpu") for p in parameters]
-                for kept, parameter in zip(self.last_good, parameters):
-                    kept.copy_(parameter)
+                    self.last_good_extras = [torch.empty_like(t, device="cpu") for t in self.extra_tensors]
+                for kept, tensor in zip(self.last_good + self.last_good_extras, list(parameters) + self.extra_tensors):
+                    kept.copy_(tensor)
             return
-        restored = self.last_good is not None
+        restored = self.restore(parameters, self.extra_tensors)
         if restored:
-            for kept, parameter in zip(self.last_good, parameters):
-                parameter.copy_(kept)
             optimizer.state.clear()
         logger.error("the step left non-finite parameters; %s", "restored those of the last good step" if restored
                      else "no good copy is kept (guard.keep_last_good_parameters is off)")
         self.report.count("parameters", "non-finite after step")
         self.report.event("parameters_restored" if restored else "parameters_non_finite", peer_id=self.peer_id)
+
+    @torch.no_grad()
+    def restore(self, parameters, extra_tensors=()) -> bool:
+        """Put the last good step's parameters and buffers back; False when none is kept."""
+        if self.last_good is None:
+            return False
+        for kept, parameter in zip(self.last_good, parameters):
+            parameter.copy_(kept)
+        for kept, tensor in zip(self.last_good_extras or [], extra_tensors):
+            tensor.copy_(kept)
+        return True

@@ -24,7 +24,7 @@ HOSTILE_SCRIPT = Path(__file__).with_name("hostile_peer.py")
 # (gradients times 1e6 overflow fp16, the wire format: the scaled peer's parts arrive as infinities)
 REFUSAL_REASONS = {"nan": {"non-finite"}, "scale": {"norm", "non-finite"}, "weight": {"weight"}}
 HONEST = 2
-EPOCHS = 3
+EPOCHS = 5  # the first round with a NaN peer in it is skipped by everyone: enough steps after it
 LEARNING_RATE = 0.01
 # everyone starts together, or the honest trainers' first epochs would be theirs alone
 COMMON = [*FAST_SWARM, "--lr", str(LEARNING_RATE), "--wait-for-peers", str(HONEST + len(REFUSAL_REASONS)),
@@ -109,7 +109,8 @@ def test_honest_trainers_train_on_next_to_peers_that_send_nan_huge_and_overweigh
         poisoned = [f"{e['event']}{where}" for e in found for where in nan_fields(e)]
         assert not poisoned, f"{name}: NaN or infinity in {poisoned}\n{logs}"
         losses = [e["loss"] for e in found if e["event"] == "epoch"]
-        assert len(losses) >= EPOCHS, f"{name}: epochs {losses}\n{logs}"
+        # (hivemind may move a peer that fell behind straight to the swarm's epoch: an epoch without a line)
+        assert len(losses) >= 3 and finished[name]["epoch"] == EPOCHS, f"{name}: epochs {losses}\n{logs}"
         assert losses[-1] < losses[0], f"{name}: the loss did not fall: {losses}\n{logs}"
 
     # one model at the end

@@ -279,3 +279,13 @@ def test_a_donor_serves_at_most_its_limit_of_downloads_at_once():
     assert sorted(run(five_at_once())) == [0, 0, 0, 3, 3]  # two served in full, three sent on to other donors
     assert donor.guard_report.counts()[("download_state", "busy")] == 3
     assert run(download()) == 3  # the slots are free again
+
+
+def test_from_the_first_step_an_average_far_above_this_peers_own_gradient_is_skipped(tmp_path):
+    report = GuardReport(tmp_path / "events.jsonl")
+    model, optimizer, guard = model_and_guarded_sgd(report)
+    own_norm = torch.ones(9).norm().item()  # this peer's own contribution: gradients of 1 (Linear(8, 1): 9 values)
+    guard.own_gradient_norm = lambda: own_norm
+    assert step_with(model, optimizer, 1e6).abs().sum() == 0  # no median yet, but 1e6 x its own: skipped
+    assert step_with(model, optimizer, 50.0).abs().sum() > 0  # 50 x: an honest average can be that far off
+    assert report.counts()[("step", "norm")] == 1
