@@ -243,7 +243,3 @@ class MembershipAnnouncer(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
-
-
-def admission_of(swarm: SwarmConfig) -> Admission:
-    return Admission(swarm.run_id, load_swarm_token(swarm), load_allowed_peer_ids(swarm))

@@ -147,7 +147,8 @@ class RecordingStateAverager(TrainingStateAverager):
         offloaded = [p for group in self.optimizer.param_groups for p in group["params"]]
         if not (all_finite(offloaded) and all_finite(self.extra_tensors)):
             restored = self.step_guard is not None and self.step_guard.restore(offloaded, self.extra_tensors)
-            self.optimizer.state.clear() if restored else None
+            if restored:
+                self.optimizer.state.clear()  # the same round averaged the statistics in place too
             logger.warning("non-finite parameters after a state averaging round; %s", "restored those of the last good "
                            "step" if restored else "no good copy is kept (guard.keep_last_good_parameters is off)")
             if self.guard_report is not None:
