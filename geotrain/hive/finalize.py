@@ -63,7 +63,9 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
         time.sleep(POLL_S)
     # Then the peers at the last epoch say that they take part: a moment for their records to arrive.
     own = {"epoch": epoch, "client_mode": client_mode}
-    settle_deadline = time.monotonic() + min(10.0, timeout_s / 4)
+    # (a peer that just finished its last epoch stores its record within seconds, later on loaded machines; a
+    # peer that publishes progress but never says it takes part costs this wait once)
+    settle_deadline = time.monotonic() + min(30.0, timeout_s / 2)
     while True:
         excluded = banned()
         records = _final_records(dht, run_id)

@@ -110,7 +110,7 @@ def test_honest_trainers_train_on_next_to_peers_that_send_nan_huge_and_overweigh
         assert not poisoned, f"{name}: NaN or infinity in {poisoned}\n{logs}"
         losses = [e["loss"] for e in found if e["event"] == "epoch"]
         # (hivemind may move a peer that fell behind straight to the swarm's epoch: an epoch without a line)
-        assert len(losses) >= 3 and finished[name]["epoch"] == EPOCHS, f"{name}: epochs {losses}\n{logs}"
+        assert len(losses) >= 3 and finished[name]["epoch"] >= EPOCHS, f"{name}: epochs {losses}\n{logs}"
         assert losses[-1] < losses[0], f"{name}: the loss did not fall: {losses}\n{logs}"
 
     # one model at the end
