@@ -70,6 +70,11 @@ TRAINING_FLAGS = {
     "--target-batch-size": ("optimizer.target_batch_size", {"type": int}),
     "--batch-size": ("optimizer.batch_size_per_step", {"type": int, "help": "samples per micro-step"}),
     "--optimizer": ("optimizer.optimizer", {}),
+    "--mode": ("optimizer.mode", {"help": "sync (default: average gradients every epoch) or diloco (local steps, "
+                                          "average pseudo-gradients every --inner-steps)"}),
+    "--inner-steps": ("optimizer.diloco.inner_steps", {"type": int, "metavar": "H",
+                                                       "help": "diloco: micro-steps per trainer between outer rounds"}),
+    "--outer-lr": ("optimizer.diloco.outer_learning_rate", {"type": float, "help": "diloco: outer SGD learning rate"}),
     "--lr": ("optimizer.learning_rate", {"type": float}),
     "--grad-compression": ("optimizer.grad_compression", {"help": "none, fp16 or uniform8bit"}),
     "--delayed-parameter-updates": ("optimizer.delayed_parameter_updates",

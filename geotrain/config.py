@@ -224,9 +224,30 @@ class SwarmConfig(_Strict):
         return [f"/ip4/{self.announce_host}/tcp/{self.announce_port or self.port}"]
 
 
+class DiLoCoConfig(_Strict):
+    """``optimizer.mode: diloco``: local inner steps, an outer step on the averaged pseudo-gradient every round.
+
+    Defaults are the DiLoCo paper's (Douillard et al., arXiv 2311.08105: outer SGD with Nesterov momentum,
+    lr 0.7, momentum 0.9); ``inner_steps`` is geotrain's default for a swarm spread over continents (the
+    paper used 500 on one datacenter's GPUs; see docs/diloco.md for the trade-off measured here).
+    """
+
+    inner_steps: int = Field(
+        100, ge=1, description="H: micro-steps per trainer between outer rounds (on average: a round comes when "
+                               "the swarm has done H x batch_size_per_step x trainers samples).")
+    outer_learning_rate: float = Field(0.7, gt=0, description="Learning rate of the outer SGD step.")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD step.")
+    nesterov: bool = Field(True, description="Nesterov momentum for the outer step.")
+
+
 class OptimizerConfig(_Strict):
     """The shared-batch optimizer (hivemind.Optimizer) and its timing across the network."""
 
+    mode: Literal["sync", "diloco"] = Field(
+        "sync", description="sync: the swarm averages gradients every epoch (target_batch_size samples) and steps "
+                            "together; diloco: each trainer steps on its own and the swarm averages pseudo-gradients "
+                            "every optimizer.diloco.inner_steps micro-steps (docs/diloco.md).")
+    diloco: DiLoCoConfig = Field(default_factory=DiLoCoConfig)
     network_profile: NetworkProfileName = "lan"
     target_batch_size: int = Field(4096, gt=0, description="Samples the whole swarm accumulates per epoch.")
     batch_size_per_step: int = Field(32, gt=0, description="Samples one peer processes per micro-step.")
@@ -266,7 +287,10 @@ class OptimizerConfig(_Strict):
         profile = data.get("network_profile", "lan")
         if profile not in NETWORK_PROFILES:
             return data  # the field validator reports it, naming the choices
-        return {**NETWORK_PROFILES[profile], **data}
+        merged = {**NETWORK_PROFILES[profile], **data}
+        if data.get("mode") == "diloco" and "delayed_parameter_updates" not in data:
+            merged["delayed_parameter_updates"] = False  # no gradient averaging to delay; the profile's default
+        return merged
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> "OptimizerConfig":
@@ -288,6 +312,24 @@ class OptimizerConfig(_Strict):
         if self.min_learning_rate > self.learning_rate:
             raise ValueError(f"optimizer.min_learning_rate ({self.min_learning_rate}) is above "
                              f"optimizer.learning_rate ({self.learning_rate}); expected a decay, not a rise")
+        return self
+
+    def describe_rounds(self) -> str:
+        """What one epoch of the swarm is, for operators: e.g. "epochs of 4096 samples"."""
+        if self.mode == "diloco":
+            return f"outer rounds of {self.diloco.inner_steps} micro-steps per trainer (DiLoCo)"
+        return f"epochs of {self.target_batch_size} samples"
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> "OptimizerConfig":
+        if self.mode != "diloco":
+            return self
+        if self.delayed_parameter_updates:
+            raise ValueError("optimizer.delayed_parameter_updates does not apply to optimizer.mode diloco (there is "
+                             "no gradient averaging to delay); remove it or pass --no-delayed-parameter-updates")
+        if self.use_local_updates:
+            raise ValueError("optimizer.use_local_updates does not combine with optimizer.mode diloco: DiLoCo "
+                             "already steps locally, and averages pseudo-gradients instead of parameters")
         return self
 
     @model_validator(mode="after")

@@ -65,7 +65,7 @@ def public_addresses(addresses: list[str], announce_host: str | None) -> list[st
 
 # What a checkpoint's shape depends on: restoring one written under other values cannot work (other
 # tensors or optimizer statistics), or belongs to another run.
-STATE_DEFINING_KEYS = ("swarm.run_id", "task.name", "task.preset", "optimizer.optimizer")
+STATE_DEFINING_KEYS = ("swarm.run_id", "task.name", "task.preset", "optimizer.optimizer", "optimizer.mode")
 
 
 def _dotted(data: dict, key: str):

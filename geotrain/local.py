@@ -108,7 +108,7 @@ class LocalSwarm:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = write_resolved_config(self.config, self.run_dir)
         print(f"geotrain local: {self.peers} trainers, task {self.config.task.name}/{self.config.task.preset}, "
-              f"{self.epochs} epochs of {self.config.optimizer.target_batch_size} samples; logs in {self.run_dir}",
+              f"{self.epochs} {self.config.optimizer.describe_rounds()}; logs in {self.run_dir}",
               flush=True)
         interrupted = False
         try:
@@ -242,6 +242,8 @@ def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path
         "grad_compression": config.optimizer.grad_compression,
         "network_profile": config.optimizer.network_profile,
         "target_batch_size": config.optimizer.target_batch_size,
+        "mode": config.optimizer.mode,
+        "rounds": config.optimizer.describe_rounds(),
         "batch_size_per_step": config.optimizer.batch_size_per_step,
         "epochs_requested": config.training.max_epochs,
         "epochs_completed": min((p["epoch"] for p in peers), default=0),
@@ -271,7 +273,7 @@ def format_summary(summary: dict) -> str:
     granularity = summary["granularity"]
     lines.append("")
     lines.append(
-        f"swarm: {summary['epochs_completed']} epochs of {summary['target_batch_size']} samples, "
+        f"swarm: {summary['epochs_completed']} {summary.get('rounds') or 'epochs'}, "
         f"{summary['samples_total']} samples in {summary['wall_s']:.1f} s = "
         f"{summary['swarm_samples_per_second']:.1f} samples/s; loss {summary['loss_first']:.4f} -> "
         f"{summary['loss_last']:.4f}; granularity {granularity:.2f}" if granularity is not None else

@@ -29,6 +29,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from threading import Event
 
 import torch
@@ -151,6 +152,8 @@ class Trainer:
         self.metrics.watch_guard(self.guard_report)
         optimizer = build_hivemind_optimizer(config, dht, model, on_averaging_round=self.metrics.averaging_round,
                                              guard_report=self.guard_report)
+        if config.optimizer.mode == "diloco":
+            optimizer.on_outer_round = partial(self._on_outer_round, peer_id)
         stopper.reclaim_signals()  # hivemind's averagers set SIGINT to SIG_IGN in this process
         self.reporter = MetricsReporter(dht, config.swarm.run_id, "trainer", config.metrics, self.progress, self.metrics)
         self.reporter.start()
@@ -191,6 +194,12 @@ class Trainer:
                     f", {since_stop_s:.1f} s after: {stopper.reason}" if since_stop_s is not None else "",
                     params_sha256[:16])
         return result
+
+    def _on_outer_round(self, peer_id: str, result: str, duration_s: float, group_size: int,
+                        pseudo_gradient_norm: float | None, sent_bytes: float) -> None:
+        self.metrics.outer_round(result, duration_s, group_size, pseudo_gradient_norm, sent_bytes)
+        self.events.write("outer_round", peer_id=peer_id, result=result, seconds=duration_s, group_size=group_size,
+                          pseudo_gradient_norm=pseudo_gradient_norm, sent_bytes=sent_bytes)
 
     def _on_notice(self, notice, stopper: Stopper) -> None:
         """A preemption notice: leave within the budget, and before the cloud takes the VM."""

@@ -18,8 +18,10 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from timm.optim import Lamb
 
 from geotrain.config import GeotrainConfig
+from geotrain.hive.diloco import OuterStateAverager, diloco_optimizer_class
 from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm_token
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
+from geotrain.hive.rounds import averaging_round_result, round_error
 from geotrain.hive.step_guard import StepGuard, all_finite
 from geotrain.schedule import schedule_of
 
@@ -85,28 +87,11 @@ def build_scheduler_factory(config: GeotrainConfig):
     return partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=schedule_of(config))
 
 
+BYTES_PER_VALUE = {"none": 4, "fp16": 2, "uniform8bit": 1}  # as sent, per compression (8-bit: plus a small table)
+
+
 def build_compression(name: str):
     return {"none": NoCompression, "fp16": Float16Compression, "uniform8bit": Uniform8BitQuantization}[name]()
-
-
-def _round_error(control) -> str:
-    if not control.done():
-        return "no result within the averaging timeout"
-    if control.cancelled():
-        return "cancelled"
-    return repr(control.exception())
-
-
-def averaging_round_result(control) -> str:
-    """ok, timeout or failed: how one gradient averaging round (a hivemind StepControl) ended."""
-    if not control.done():
-        return "timeout"  # hivemind stopped waiting for it (averaging_timeout)
-    if control.cancelled():
-        return "failed"
-    error = control.exception()
-    if error is None:
-        return "ok"
-    return "timeout" if isinstance(error, TimeoutError) else "failed"
 
 
 class RecordingStateAverager(TrainingStateAverager):
@@ -311,7 +296,7 @@ class MeasuredOptimizer(hivemind.Optimizer):
         if result != "ok":
             logger.warning("gradient averaging round %s after %.1f s; this peer stepped with its own gradients "
                            "of the epoch (%s)", "timed out" if result == "timeout" else "failed", duration_s,
-                           _round_error(maybe_step_control))
+                           round_error(maybe_step_control))
         if self.on_averaging_round is not None:
             self.on_averaging_round(result, duration_s)
 
@@ -351,13 +336,24 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         grad_averager_class = LocalGradientsKeepingAverager
         if checked:
             grad_averager_class = guarded(grad_averager_class, admission, report, config)
-    state_averager_class = guarded(RecordingStateAverager, admission, report, config) if checked else \
-        RecordingStateAverager
-    optimizer_class = type("GuardedMeasuredOptimizer", (MeasuredOptimizer,),
-                           {"state_averager_class": state_averager_class})
-    step_guard = StepGuard(config.guard, report, peer_id=str(dht.peer_id)) if checked else None
+    diloco = opt.mode == "diloco"
+    state_averager_class = type("DiLoCoStateAverager", (OuterStateAverager, RecordingStateAverager), {}) if diloco \
+        else RecordingStateAverager
+    if checked:
+        state_averager_class = guarded(state_averager_class, admission, report, config)
+    if diloco:
+        optimizer_class = type("GuardedDiLoCoOptimizer", (diloco_optimizer_class(MeasuredOptimizer),), {
+            "state_averager_class": state_averager_class,
+            "samples_per_trainer_round": opt.diloco.inner_steps * opt.batch_size_per_step,
+            "pseudo_gradient_bytes": sum(p.numel() for p in model.parameters()) * BYTES_PER_VALUE[opt.grad_compression]})
+    else:
+        optimizer_class = type("GuardedMeasuredOptimizer", (MeasuredOptimizer,),
+                               {"state_averager_class": state_averager_class})
+    # DiLoCo's inner steps apply this peer's own gradients (checked by the trainer); its check is on the
+    # averaged pseudo-gradient (geotrain.hive.diloco)
+    step_guard = StepGuard(config.guard, report, peer_id=str(dht.peer_id)) if checked and not diloco else None
     delayed = opt.delayed_parameter_updates
-    local_updates = opt.use_local_updates
+    local_updates = opt.use_local_updates or diloco
     # (local updates with delayed updates is refused by the config: OptimizerConfig._check_offload)
     # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory.
     # With local updates there is no gradient averager, and hivemind refuses a factory for one.
@@ -384,7 +380,10 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         delay_optimizer_step=delayed,
         delay_grad_averaging=delayed,
         use_local_updates=local_updates,
-        average_state_every=opt.average_state_every,
+        # DiLoCo: the outer round blocks (its outer step must land before the next inner step); sync mode with
+        # local updates keeps hivemind's background averaging
+        delay_state_averaging=not diloco,
+        average_state_every=1 if diloco else opt.average_state_every,
         grad_compression=build_compression(opt.grad_compression),
         grad_averager_factory=grad_averager_factory,
         averager_opts={"request_timeout": opt.request_timeout_s},
@@ -401,6 +400,10 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     averager = getattr(optimizer, "grad_averager", None)
     if step_guard is not None and isinstance(averager, LocalGradientsKeepingAverager):
         step_guard.own_gradient_norm = averager.kept_gradients_norm
+    if diloco:
+        optimizer.state_averager.pseudo_gradient_norm_factor = config.guard.step_norm_factor
+        optimizer.state_averager.init_outer(opt.diloco.outer_learning_rate, opt.diloco.outer_momentum,
+                                            opt.diloco.nesterov)
     if step_guard is not None:
         optimizer.state_averager.step_guard = step_guard
         step_guard.extra_tensors = list(optimizer.state_averager.extra_tensors)  # buffers: kept with the parameters

@@ -29,11 +29,15 @@ def capture_state(optimizer, model: torch.nn.Module) -> dict:
 
     A state captured on a GPU restores on a machine without one (the coordinator) and the reverse.
     """
-    return {
+    state = {
         "epoch": optimizer.local_epoch,
         "model": {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()},
         "optimizer": _to_cpu(optimizer.state_averager.optimizer.state_dict()),
     }
+    averager = optimizer.state_averager
+    if hasattr(averager, "outer_state_dict"):  # DiLoCo: the model holds the outer parameters after a round
+        state["outer_optimizer"] = _to_cpu(averager.outer_state_dict())
+    return state
 
 
 def restore_state(optimizer, model: torch.nn.Module, state: dict) -> None:
@@ -43,6 +47,12 @@ def restore_state(optimizer, model: torch.nn.Module, state: dict) -> None:
             if optimizer_param is not model_param:
                 optimizer_param.copy_(model_param)
     optimizer.state_averager.optimizer.load_state_dict(state["optimizer"])
+    averager = optimizer.state_averager
+    if hasattr(averager, "load_outer_state_dict"):
+        if "outer_optimizer" not in state:
+            raise ValueError("the checkpoint holds no DiLoCo outer optimizer state (was it written in "
+                             "optimizer.mode sync?)")
+        averager.load_outer_state_dict(state["outer_optimizer"])
     optimizer.state_averager.local_epoch = state["epoch"]
     # the learning rate is the schedule's at this epoch, as hivemind sets it after a state download
     optimizer.state_averager._update_scheduler()

@@ -2,6 +2,11 @@
 
 See :mod:`geotrain.planner.solve` for why the model is split this way; this module writes the node
 programs (:meth:`SizeSearch.node_program`) and runs the search (:meth:`SizeSearch.solve`).
+
+With n fixed, the samples per averaging round ``S`` (TBS in sync mode, ``H x b x n`` in diloco mode,
+:func:`geotrain.planner.model.samples_per_round`) are a constant, so one program serves both modes. A
+node program minimises a per-round figure (round seconds, or 3600 x $ per round); :meth:`SizeSearch.value`
+puts it per 1M samples (:meth:`SizeSearch.per_million_samples`), which compares across sizes.
 """
 
 from __future__ import annotations
@@ -10,10 +15,10 @@ from collections import defaultdict
 
 from geotrain.pricing.catalog import Offer
 from geotrain.planner.milp import INF, Program, Solution
-from geotrain.planner.model import GB, Prediction, bytes_per_pair, evaluate, peer_rate, transfer_s
+from geotrain.planner.model import GB, Prediction, bytes_per_pair, evaluate, peer_rate, samples_per_round, transfer_s
 from geotrain.planner.problem import Inputs, Request, ranking_key, satisfies
 
-# Tangent points of T_calc = TBS / R per node: more make the bound tighter inside the node.
+# Tangent points of T_calc = S / R per node: more make the bound tighter inside the node.
 TANGENTS = 6
 
 
@@ -79,11 +84,11 @@ class SizeSearch:
         self.egress_usd_per_gb = [[egress.usd_per_gb(self.representative[s], self.representative[t], spread)
                                    for t in self.sites] for s in self.sites]
         profile = inputs.profile
-        # Data loading per round: TBS x bytes per sample at the price of the VM that reads each sample;
+        # Data loading per round: S x bytes per sample at the price of the VM that reads each sample;
         # the cheapest reader's price bounds it from below where no MILP is solved.
-        self.data_gb_per_round = profile.target_batch_size * profile.data_bytes_per_sample / GB
+        self.data_gb_per_sample = profile.data_bytes_per_sample / GB
         self.data_usd_per_gb = [egress.data_loading_usd_per_gb(o) for o in offers]
-        self.data_usd_per_round = self.data_gb_per_round * min(self.data_usd_per_gb, default=0.0)
+        self.cheapest_data_usd_per_gb = min(self.data_usd_per_gb, default=0.0)
         self.programs_solved = 0
         # Programs that HiGHS stopped at the time limit: with a solution (used, maybe not optimal, with
         # the largest gap HiGHS reported) and without one (that part of the search is unknown).
@@ -121,6 +126,22 @@ class SizeSearch:
                             and offer.gpu_count > self.request.region_quota_gpus[offer.region])]
         return min(options, key=lambda p: p.usd_per_hour, default=None)
 
+    def samples_per_round(self, n: int) -> int:
+        """S: samples a swarm of n VMs trains per averaging round (TBS, or H x b x n in diloco mode)."""
+        return samples_per_round(self.inputs.profile, self.inputs.settings, n)
+
+    def data_usd_per_round(self, n: int) -> float:
+        """Data loading of one round of n VMs at the cheapest reader's price (a lower bound)."""
+        return self.samples_per_round(n) * self.data_gb_per_sample * self.cheapest_data_usd_per_gb
+
+    def per_million_samples(self, n: int, objective: str) -> float:
+        """Turns what a node program of n VMs minimises per round into :meth:`value`'s units.
+
+        Throughput: round seconds to seconds per 1M samples; cost: 3600 x $ per round to $ per 1M samples.
+        """
+        factor = 1e6 / self.samples_per_round(n)
+        return factor if objective == "throughput" else factor / 3600
+
     def evaluate(self, counts: dict[Offer, int]) -> Prediction:
         inputs = self.inputs
         return evaluate(counts, inputs.profile, inputs.network, inputs.egress, inputs.settings, self.coordinator)
@@ -128,9 +149,9 @@ class SizeSearch:
     def _fastest_comm_s(self, n: int) -> float:
         if n < 2:
             return 0.0
-        profile = self.inputs.profile
+        profile, settings = self.inputs.profile, self.inputs.settings
         links = [*self.same_site_link.values(), *self.class_internal_link.values(), *self.class_pair_link.values()]
-        return profile.round_overhead_s + min(transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+        return profile.round_overhead_s + min(transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms, settings)
                                               for link in links)
 
     def could_meet(self, n: int, request: Request) -> bool:
@@ -141,9 +162,10 @@ class SizeSearch:
                 request.budget_usd_per_hour * (1 + 1e-9):
             return False
         if request.min_samples_per_second is not None:
-            compute = profile.target_batch_size / (n * max(peer_rate(profile, o, n, settings) for o in self.offers))
+            round_samples = self.samples_per_round(n)
+            compute = round_samples / (n * max(peer_rate(profile, o, n, settings) for o in self.offers))
             comm = self._fastest_comm_s(n)
-            fastest = profile.target_batch_size / (max(compute, comm) if settings.overlap else compute + comm)
+            fastest = round_samples / (max(compute, comm) if settings.overlap else compute + comm)
             if fastest < request.min_samples_per_second * (1 - 1e-9):
                 return False
         return True
@@ -151,7 +173,7 @@ class SizeSearch:
     def lower_bound(self, n: int, objective: str) -> float:
         """A bound no configuration of n VMs beats, found without a MILP (orders and prunes the sizes)."""
         profile, overlap = self.inputs.profile, self.inputs.settings.overlap
-        tbs = profile.target_batch_size
+        round_samples = self.samples_per_round(n)
         rates = [peer_rate(profile, o, n, self.inputs.settings) for o in self.offers]
         comm = self._fastest_comm_s(n)
         fastest = n * max(rates)
@@ -166,20 +188,21 @@ class SizeSearch:
                 return INF
             fastest = min(n * max(affordable), budget_rate_bound(n, spend, [o.price_usd_per_hour for o in self.offers],
                                                                 rates))
-        compute = tbs / fastest
+        compute = round_samples / fastest
         if objective == "throughput":
-            return max(compute, comm) if overlap else compute + comm
-        # cost x T_calc >= TBS x min(price / rate) + coordinator x T_calc; cost x T_comm >= cheapest cost x T_comm
-        cost_compute = tbs * min(o.price_usd_per_hour / r for o, r in zip(self.offers, rates)) \
+            return (max(compute, comm) if overlap else compute + comm) * self.per_million_samples(n, objective)
+        # cost x T_calc >= S x min(price / rate) + coordinator x T_calc; cost x T_comm >= cheapest cost x T_comm
+        cost_compute = round_samples * min(o.price_usd_per_hour / r for o, r in zip(self.offers, rates)) \
             + self.coordinator_usd_per_hour * compute
         cost_comm = (n * min(o.price_usd_per_hour for o in self.offers) + self.coordinator_usd_per_hour) * comm
         vm = max(cost_compute, cost_comm) if overlap else cost_compute + cost_comm
-        return (vm / 3600 + self.data_usd_per_round) / tbs * 1e6
+        return (vm + 3600 * self.data_usd_per_round(n)) * self.per_million_samples(n, objective)
 
     def value(self, prediction: Prediction, objective: str) -> float:
-        """The number the objective minimises: round time for throughput, $ per 1M samples otherwise."""
+        """The number the objective minimises, comparable across sizes and modes: seconds per 1M samples for
+        throughput, $ per 1M samples otherwise."""
         if objective == "throughput":
-            return self.inputs.profile.target_batch_size / prediction.samples_per_second
+            return 1e6 / prediction.samples_per_second
         return prediction.usd_per_million_samples
 
     def homogeneous(self, n: int, objective: str, request: Request) -> dict[Offer, int] | None:
@@ -191,10 +214,10 @@ class SizeSearch:
         """
         inputs = self.inputs
         profile, settings = inputs.profile, inputs.settings
-        tbs, overlap = profile.target_batch_size, settings.overlap
+        round_samples, overlap = self.samples_per_round(n), settings.overlap
         quotas = request.region_quota_gpus
         budget, min_sps = request.budget_usd_per_hour, request.min_samples_per_second
-        pair_gb = bytes_per_pair(profile, n) / GB if n > 1 else 0.0
+        pair_gb = bytes_per_pair(profile, n, settings) / GB if n > 1 else 0.0
         by_site: dict[tuple[str, str], list[int]] = defaultdict(list)
         for i, offer in enumerate(self.offers):
             by_site[offer.site].append(i)
@@ -205,9 +228,9 @@ class SizeSearch:
             comm = 0.0
             if n > 1:
                 link = self.same_site_link[site]
-                comm = profile.round_overhead_s + transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+                comm = profile.round_overhead_s + transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms, settings)
             traffic_usd = n * (n - 1) * pair_gb * inputs.egress.usd_per_gb(rep, rep, settings.spread_zones) \
-                + self.data_gb_per_round * inputs.egress.data_loading_usd_per_gb(rep)
+                + round_samples * self.data_gb_per_sample * inputs.egress.data_loading_usd_per_gb(rep)
             quota = quotas.get(site[1])
             for a_index, i in enumerate(members):
                 for j in members[a_index:]:
@@ -218,14 +241,14 @@ class SizeSearch:
                         if settings.anchor == "trainer" and all(self.offers[o].spot for o, c in counts.items() if c):
                             continue
                         rate = sum(c * rates[o] for o, c in counts.items())
-                        round_s = max(tbs / rate, comm) if overlap else tbs / rate + comm
+                        round_s = max(round_samples / rate, comm) if overlap else round_samples / rate + comm
                         usd_per_hour = sum(c * self.offers[o].price_usd_per_hour for o, c in counts.items()) \
                             + self.coordinator_usd_per_hour + traffic_usd * 3600 / round_s
                         if budget is not None and usd_per_hour > budget * (1 + 1e-9):
                             continue
-                        if min_sps is not None and tbs / round_s < min_sps * (1 - 1e-9):
+                        if min_sps is not None and round_samples / round_s < min_sps * (1 - 1e-9):
                             continue
-                        value = round_s if objective == "throughput" else usd_per_hour * round_s / tbs
+                        value = round_s if objective == "throughput" else usd_per_hour * round_s / round_samples
                         scored.append((value, -rate, site, tuple(sorted(counts.items()))))
         key = ranking_key(objective)
         best, best_key = None, None
@@ -240,8 +263,8 @@ class SizeSearch:
               threshold: float = INF, start: dict[Offer, int] | None = None) -> dict[Offer, int] | None:
         """The best configuration of exactly n VMs, or None if none meets the constraints (or beats threshold).
 
-        Branch and bound over the compute time per round ``T_calc = TBS / R``: a node is an interval
-        [a, b] of it; its MILP bounds R to [TBS/b, TBS/a] and minimises a linear lower bound of the
+        Branch and bound over the compute time per round ``T_calc = S / R``: a node is an interval
+        [a, b] of it; its MILP bounds R to [S/b, S/a] and minimises a linear lower bound of the
         objective that is exact at T_calc = a. The configuration it returns is evaluated exactly;
         the node is split at that configuration's own T_calc, so the bound becomes exact there.
         ``start`` is a known configuration of n VMs (an incumbent to prune with).
@@ -252,29 +275,30 @@ class SizeSearch:
         request = Request(budget_usd_per_hour=budget, min_samples_per_second=min_sps)
         profile, settings = self.inputs.profile, self.inputs.settings
         rates = [peer_rate(profile, o, n, settings) for o in self.offers]
-        tbs = profile.target_batch_size
+        round_samples = self.samples_per_round(n)
         best, best_counts = None, None
         if start:
             best, best_counts = self.evaluate(start), start
         # The root interval of T_calc, narrowed by what no better configuration can escape: the budget's
         # most samples/s (LP bound), the throughput floor, and for the throughput objective the incumbent.
-        low, high = tbs / (n * max(rates)), tbs / (n * min(rates))
+        low, high = round_samples / (n * max(rates)), round_samples / (n * min(rates))
         comm = self._fastest_comm_s(n)
         overlap = settings.overlap
         if budget is not None:
             most = budget_rate_bound(n, budget - self.coordinator_usd_per_hour,
                                      [o.price_usd_per_hour for o in self.offers], rates)
-            low = max(low, tbs / most * (1 - 1e-9)) if most > 0 else INF
+            low = max(low, round_samples / most * (1 - 1e-9)) if most > 0 else INF
         if min_sps is not None:
-            high = min(high, (tbs / min_sps - (0.0 if overlap else comm)) * (1 + 1e-9))
+            high = min(high, (round_samples / min_sps - (0.0 if overlap else comm)) * (1 + 1e-9))
         incumbent = min(threshold, self.value(best, objective) if best else INF)
         if objective == "throughput":
-            high = min(high, (incumbent - (0.0 if overlap else comm)) * (1 + 1e-9))
+            round_s = incumbent / self.per_million_samples(n, objective)
+            high = min(high, (round_s - (0.0 if overlap else comm)) * (1 + 1e-9))
         elif incumbent < INF:
-            # $ per 1M samples = $/h x round time / (3600 TBS) x 1e6, and $/h is at least the n cheapest VMs.
+            # $ per 1M samples = $/h x round time / (3600 S) x 1e6, and $/h is at least the n cheapest VMs.
             cheapest_usd_per_hour = n * min(o.price_usd_per_hour for o in self.offers) + self.coordinator_usd_per_hour
             if cheapest_usd_per_hour > 0:
-                round_s = incumbent * 3600 * tbs / 1e6 / cheapest_usd_per_hour
+                round_s = incumbent / self.per_million_samples(n, objective) / cheapest_usd_per_hour
                 high = min(high, (round_s - (0.0 if overlap else comm)) * (1 + 1e-9))
         if low > high:
             nodes = []
@@ -325,13 +349,13 @@ class SizeSearch:
 
     def _interval_bound(self, n: int, objective: str, compute_s: float) -> float:
         """A bound for every configuration of n VMs computing at least ``compute_s`` per round (no MILP)."""
-        profile, overlap = self.inputs.profile, self.inputs.settings.overlap
+        overlap = self.inputs.settings.overlap
         comm = self._fastest_comm_s(n)
         round_s = max(compute_s, comm) if overlap else compute_s + comm
         if objective == "throughput":
-            return round_s
+            return round_s * self.per_million_samples(n, objective)
         cheapest = n * min(o.price_usd_per_hour for o in self.offers) + self.coordinator_usd_per_hour
-        return (cheapest * round_s / 3600 + self.data_usd_per_round) / profile.target_batch_size * 1e6
+        return (cheapest * round_s + 3600 * self.data_usd_per_round(n)) * self.per_million_samples(n, objective)
 
     def _solve_node(self, n: int, objective: str, budget: float | None, min_sps: float | None,
                     a: float, b: float, cutoff: float = INF) -> tuple[dict[Offer, int], float, bool] | None:
@@ -346,8 +370,7 @@ class SizeSearch:
         program, x, bound_terms, constant = built
         if cutoff < INF:
             # Only configurations whose bound beats the incumbent are of interest: say so to HiGHS.
-            scale = 1.0 if objective == "throughput" else 3600 * self.inputs.profile.target_batch_size / 1e6
-            program.row(dict(bound_terms), upper=cutoff * scale - constant)
+            program.row(dict(bound_terms), upper=cutoff / self.per_million_samples(n, objective) - constant)
         self.programs_solved += 1
         solution = program.solve(time_limit_s=self.request.solver_time_limit_s)
         self._note(solution)
@@ -356,9 +379,7 @@ class SizeSearch:
             return None
         bound = constant + sum(c * values[var] for var, c in bound_terms.items())
         counts = {offer: int(round(values[var])) for offer, var in zip(self.offers, x) if round(values[var]) > 0}
-        if objective != "throughput":
-            bound = bound / 3600 / self.inputs.profile.target_batch_size * 1e6
-        return counts, bound, solution.time_limited
+        return counts, bound * self.per_million_samples(n, objective), solution.time_limited
 
     def _note(self, solution: Solution) -> None:
         if not solution.time_limited:
@@ -373,7 +394,7 @@ class SizeSearch:
         """The MILP of one node: n VMs, compute time per round within [a, b]."""
         inputs, request = self.inputs, self.request
         profile, settings = inputs.profile, inputs.settings
-        tbs = profile.target_batch_size
+        round_samples = self.samples_per_round(n)  # S: TBS in sync mode, H x b x n in diloco mode
         p = Program()
         rates = [peer_rate(profile, o, n, settings) for o in self.offers]
         prices = [o.price_usd_per_hour for o in self.offers]
@@ -382,7 +403,7 @@ class SizeSearch:
         x = [p.var(0, n, integer=True) for _ in self.offers]
         p.row({v: 1.0 for v in x}, n, n)
         rate_terms = {x[i]: r for i, r in enumerate(rates)}
-        p.row(rate_terms, lower=tbs / b * (1 - 1e-12), upper=tbs / a * (1 + 1e-12))
+        p.row(rate_terms, lower=round_samples / b * (1 - 1e-12), upper=round_samples / a * (1 + 1e-12))
         quotas = request.region_quota_gpus
         for region, gpus in quotas.items():
             terms = {x[i]: float(o.gpu_count) for i, o in enumerate(self.offers) if o.region == region}
@@ -411,11 +432,11 @@ class SizeSearch:
         link_s = {}
         for site in self.sites:
             link = self.same_site_link[site]
-            link_s[("site", site)] = transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+            link_s[("site", site)] = transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms, settings)
         for cls, link in self.class_internal_link.items():
-            link_s[("class", cls)] = transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+            link_s[("class", cls)] = transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms, settings)
         for pair, link in self.class_pair_link.items():
-            link_s[("pair", pair)] = transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms)
+            link_s[("pair", pair)] = transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms, settings)
         levels = sorted({round(profile.round_overhead_s + s, 9) for s in link_s.values()})
         level = [p.binary() for _ in levels]
         p.row({v: 1.0 for v in level}, 1, 1)
@@ -455,7 +476,7 @@ class SizeSearch:
         # Egress per round: sum over sites of count x (price-weighted peers it sends to), linearised
         # exactly by writing each site's count in binary.
         egress_round: dict[int, float] = {}
-        pair_gb = bytes_per_pair(profile, n) / GB
+        pair_gb = bytes_per_pair(profile, n, settings) / GB
         if any(price > 0 for row in self.egress_usd_per_gb for price in row):
             for si, site in enumerate(self.sites):
                 row_prices = self.egress_usd_per_gb[si]
@@ -492,14 +513,15 @@ class SizeSearch:
         comm_terms = {lv: value for value, lv in zip(levels, level)}
         cost_terms = {x[i]: price for i, price in enumerate(prices)}
 
-        # T_calc = TBS / R is convex in R: tangents at a few points of [TBS/b, TBS/a] bound it from below.
+        # T_calc = S / R is convex in R: tangents at a few points of [S/b, S/a] bound it from below.
         compute = p.var(a, b)
-        r_lo, r_hi = tbs / b, tbs / a
+        r_lo, r_hi = round_samples / b, round_samples / a
         for j in range(TANGENTS):
             r0 = r_lo * (r_hi / r_lo) ** (j / (TANGENTS - 1)) if TANGENTS > 1 else r_hi
-            # compute >= TBS/r0 - TBS/r0^2 (R - r0) = 2 TBS/r0 - TBS/r0^2 R
-            p.row({compute: 1.0, **{v: tbs / r0 ** 2 * coef for v, coef in rate_terms.items()}}, lower=2 * tbs / r0)
-        # cost x T_calc = TBS x sum(price/rate of each offer x its share of the throughput) + coordinator x T_calc.
+            # compute >= S/r0 - S/r0^2 (R - r0) = 2 S/r0 - S/r0^2 R
+            p.row({compute: 1.0, **{v: round_samples / r0 ** 2 * coef for v, coef in rate_terms.items()}},
+                  lower=2 * round_samples / r0)
+        # cost x T_calc = S x sum(price/rate of each offer x its share of the throughput) + coordinator x T_calc.
         # The shares s_o = rate_o x_o / R lie within [rate_o x_o / R_hi, rate_o x_o / R_lo] and sum to 1:
         # linear, and exact once the node is narrow.
         shares = {}
@@ -507,15 +529,15 @@ class SizeSearch:
             share = p.var(0, 1)
             p.row({share: 1.0, x[i]: -rate / r_hi}, lower=0)
             p.row({share: 1.0, x[i]: -rate / r_lo}, upper=0)
-            shares[share] = tbs * prices[i] / rate
+            shares[share] = round_samples * prices[i] / rate
         p.row({v: 1.0 for v in shares}, 1, 1)
         vm_compute = p.var(0, INF)
         p.row({vm_compute: 1.0, **{v: -c for v, c in shares.items()}, compute: -coordinator}, lower=0)
         # Data loading: each VM reads its share of the round's samples at its own price (3600 x $ per round).
         data_terms: dict[int, float] = {}
-        if self.data_gb_per_round and any(self.data_usd_per_gb):
+        if self.data_gb_per_sample and any(self.data_usd_per_gb):
             data = p.var(0, INF)
-            p.row({data: 1.0, **{share: -3600 * self.data_gb_per_round * self.data_usd_per_gb[i]
+            p.row({data: 1.0, **{share: -3600 * round_samples * self.data_gb_per_sample * self.data_usd_per_gb[i]
                                  for i, share in enumerate(shares)}}, lower=0)
             data_terms[data] = 1.0
         # 3600 x cost per round >= cost x T_calc + cost x T_comm (or the larger of them, with overlap)
@@ -552,14 +574,14 @@ class SizeSearch:
                 terms[k] = terms.get(k, 0.0) - v
             p.row(terms, lower=b * coordinator - budget * b)
         if min_sps is not None:
-            # TBS / R + T_comm <= TBS / min_sps, exact per level: R >= TBS / (TBS / min_sps - level).
-            limit = tbs / min_sps
+            # S / R + T_comm <= S / min_sps, exact per level: R >= S / (S / min_sps - level).
+            limit = round_samples / min_sps
             r_cap = n * max(rates)
             for value, lv in zip(levels, level):
                 if (settings.overlap and value > limit) or (not settings.overlap and value >= limit):
                     p.row({lv: 1.0}, upper=0)
                     continue
-                need = tbs / limit if settings.overlap else tbs / (limit - value)
+                need = round_samples / limit if settings.overlap else round_samples / (limit - value)
                 p.row({**rate_terms, lv: -r_cap}, lower=need - r_cap)
 
         if objective == "throughput":

@@ -8,21 +8,22 @@ What is optimised
     VM, or at least one on-demand training VM).
 
 How the non-linear model becomes MILPs (see docs/planning.md)
-    Throughput ``TBS / (T_calc + T_comm)`` is not linear in the VM counts, cost per sample is a
-    ratio, and egress is quadratic (every pair of peers talks). Three devices handle that:
+    Throughput ``S / (T_calc + T_comm)`` (S: samples per round) is not linear in the VM counts, cost
+    per sample is a ratio, and egress is quadratic (every pair of peers talks). Three devices handle that:
 
     1. *Enumerated swarm size.* One search per peer count ``n = 1..max_peers`` (n = 1 is evaluated
-       directly: a lone VM has no all-reduce). With n fixed, the bytes each pair exchanges per round
-       (``2 M / n``), every link's time and the hivemind efficiency are constants.
+       directly: a lone VM has no all-reduce). With n fixed, the samples per round (TBS, or ``H x b x n``
+       in diloco mode), the bytes each pair exchanges per round (``2 M / n``), every link's time and
+       the hivemind efficiency are constants.
     2. *Exact linearisations.* ``T_comm`` is the overhead plus the slowest link in use: the distinct
        link times are levels, one binary per level, and a level below a pair's time forbids using
        both ends of that pair. ``cost x T_comm`` is split over the levels. Egress, ``sum over sites
        of count x (price-weighted peers elsewhere)``, is linearised by writing each site's count in
        binary (one continuous variable per bit).
-    3. *Branch and bound over compute time.* ``cost x T_calc`` with ``T_calc = TBS / R`` is the
+    3. *Branch and bound over compute time.* ``cost x T_calc`` with ``T_calc = S / R`` is the
        remaining non-linearity. A node is an interval [a, b] of ``T_calc``; its MILP bounds R to
-       [TBS/b, TBS/a] and minimises a linear lower bound of the objective: ``cost x T_calc`` is
-       ``TBS x sum(price/rate x throughput share)`` with each share bounded by the node's R interval.
+       [S/b, S/a] and minimises a linear lower bound of the objective: ``cost x T_calc`` is
+       ``S x sum(price/rate x throughput share)`` with each share bounded by the node's R interval.
        The MILP's configuration is evaluated with the exact model (:func:`model.evaluate`) and the
        node is split at its ``T_calc``, where the bound becomes exact; nodes whose bound cannot beat
        the best configuration found are dropped (HiGHS gets that bound as a constraint).
@@ -44,7 +45,7 @@ Pruning
 
 Why not one MILP over all n, Dinkelbach, or a grid: with n free, ``2 M / n`` multiplies every egress
 term and link time; Dinkelbach handles a ratio of linear terms, but cost per sample is ``cost x
-(TBS/R + T_comm) + egress``; a binary-encoded ``T_calc`` grid was tried and gave weak relaxations
+(S/R + T_comm) + egress``; a binary-encoded ``T_calc`` grid was tried and gave weak relaxations
 (about 1 s per program). Enumerating n also yields the best configuration of every size, which the
 table and the frontier plot show.
 """
@@ -58,7 +59,7 @@ from dataclasses import dataclass, field
 from geotrain.pricing.catalog import Offer
 from geotrain.planner.errors import PlannerError, SolverTimeLimitError
 from geotrain.planner.milp import INF
-from geotrain.planner.model import Prediction
+from geotrain.planner.model import Prediction, Settings
 from geotrain.planner.problem import OBJECTIVES, Inputs, Request, ranking_key, satisfies  # noqa: F401 (re-exported)
 from geotrain.planner import prune
 from geotrain.planner.prune import (choose_coordinator, prune_dominated, prune_dominated_sites, reduce_candidates,
@@ -83,6 +84,7 @@ class Plan:
     solver_time_limit_s: float | None = None
     left_out: list[str] = field(default_factory=list)  # kinds of VM the profile cannot use, and why
     coordinator_note: str = ""  # why the coordinator is where it is, when that is not the obvious place
+    settings: Settings = Settings()  # how the swarm runs (training mode, overlap, ...), as planned
 
     @property
     def best(self) -> Prediction:
@@ -155,7 +157,7 @@ def plan(inputs: Inputs, request: Request, objective: str | None = None, top: in
                       solve_s=time.perf_counter() - started, exact=exact, time_limited=context.time_limited,
                       time_limited_unsolved=context.time_limited_unsolved, largest_gap=context.largest_gap,
                       solver_time_limit_s=request.solver_time_limit_s, left_out=left_out,
-                      coordinator_note=coordinator_note)
+                      coordinator_note=coordinator_note, settings=inputs.settings)
     if context.time_limited:
         raise SolverTimeLimitError(time_limit_message(context, request, result), result)
     if result is None:

@@ -121,8 +121,31 @@ class PeerMetrics(_Metrics):
         self.peak_gpu_memory = gauge("geotrain_peak_gpu_memory_bytes",
                                      "Peak GPU memory this peer's tensors took during its last epoch (absent on CPU)",
                                      optional=True)
+        self.outer_rounds = counter("geotrain_outer_rounds", "DiLoCo outer rounds by result: ok, alone (no other "
+                                    "trainer), timeout, failed, refused (a non-finite or outlying average)",
+                                    ("result",))
+        self.outer_round_seconds = gauge("geotrain_outer_round_seconds",
+                                         "How long the last DiLoCo outer round blocked this trainer")
+        self.outer_round_group_size = gauge("geotrain_outer_round_group_size",
+                                            "Trainers in this trainer's last DiLoCo outer round (itself included)")
+        self.pseudo_gradient_norm = gauge("geotrain_pseudo_gradient_norm",
+                                          "L2 norm of the pseudo-gradient of the last DiLoCo outer step",
+                                          optional=True)
+        self.outer_round_sent_bytes = gauge("geotrain_outer_round_sent_bytes",
+                                            "Bytes this trainer sent in its last DiLoCo outer round (estimated "
+                                            "from the compressed pseudo-gradient's size)")
         self.compute_info = gauge("geotrain_compute_info", "1, labelled with where and how this peer computes",
                                   ("device", "precision"))
+
+    def outer_round(self, result: str, duration_s: float, group_size: int, pseudo_gradient_norm: float | None,
+                    sent_bytes: float) -> None:
+        """One DiLoCo outer round (optimizer.mode diloco): how it ended, how long it blocked this peer, the norm
+        of the pseudo-gradient applied and the bytes this peer sent for it (estimated from the compressed size)."""
+        self.labelled(self.outer_rounds, result=result).inc()
+        self.outer_round_seconds.set(duration_s)
+        self.outer_round_group_size.set(group_size)
+        self.set_optional(self.pseudo_gradient_norm, pseudo_gradient_norm)
+        self.outer_round_sent_bytes.set(sent_bytes)
 
     def watch_guard(self, report) -> None:
         """Export the guard's refusals (:class:`geotrain.hive.guard.GuardReport`), counted in every process of

@@ -1,0 +1,320 @@
+"""DiLoCo mode (``optimizer.mode: diloco``): local inner steps, an outer step on the swarm's pseudo-gradient.
+
+DiLoCo (Douillard et al., arXiv 2311.08105; on hivemind: OpenDiLoCo, arXiv 2407.07852) trains with two
+optimizers. Every peer steps its *inner* optimizer (the config's, e.g. AdamW, with its schedule) on its own
+gradients at every micro-step, with no communication at all. Every *outer round* the peers all-reduce the
+*pseudo-gradient* (the outer parameters minus this peer's local ones: how far the inner steps moved it),
+and every peer applies the same *outer* step (SGD with Nesterov momentum, the paper's lr 0.7 and momentum 0.9)
+to the outer parameters, which then become the local ones again. One outer round is one epoch of the swarm.
+
+How geotrain runs it on hivemind:
+
+- hivemind.Optimizer with local updates steps the inner optimizer each micro-step and counts the swarm's
+  samples (its progress tracker); :class:`RoundTracker` sets the round's size to ``inner_steps x
+  batch_size_per_step x trainers``, so a round comes after ``inner_steps`` micro-steps per trainer on
+  average (a faster trainer does more, a slower one fewer: nobody idles waiting for the others).
+- hivemind pre-schedules the round's matchmaking at the estimated end of the round, so the trainers meet
+  in one group; a trainer that comes late is not waited for past ``optimizer.averaging_timeout_s``.
+- :class:`OuterStateAverager` (hivemind's state averager) averages the pseudo-gradient instead of the
+  parameters (``optimizer.grad_compression``, fp16 by default; buffers such as batch norm statistics are
+  averaged as values), then applies the outer step. A newcomer downloads the *outer* parameters, both
+  optimizers' state and the epoch, never a donor's half-way local parameters.
+- A trainer whose round failed, or whose group held no more than half of the trainers it saw (hivemind
+  issue #624: peers lost in ``averager.step``), applied a different outer step than the rest: it offers
+  its state at a lower priority and loads the outer state of a trainer that was in the majority before
+  its next micro-step (:meth:`DiLoCoOptimizer._should_load_state_from_peers`).
+- A pseudo-gradient average that is not finite, or whose norm is over ``guard.step_norm_factor`` times this
+  peer's own pseudo-gradient's (the mean of honest ones is never larger than the largest of them), is
+  refused: this peer applies its own pseudo-gradient instead, and re-syncs as above.
+
+Memory: the outer parameters, the outer momentum and hivemind's averaging buffer, each one fp32 copy of the
+parameters in host memory (3x the parameters' size, on the CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+from hivemind.compression import CompressionInfo, TensorRole
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.state_averager import (TrainingStateAverager, dump_optimizer_state, initialize_optimizer_state_,
+                                           load_optimizer_state)
+
+from geotrain.hive.rounds import averaging_round_result
+from geotrain.hive.step_guard import all_finite, total_norm
+
+logger = logging.getLogger(__name__)
+
+MISSED_ROUND_PRIORITY_PENALTY = 0.5  # below every in-sync trainer of the same epoch (the coordinator gets +0.5)
+
+
+class RoundTracker(ProgressTracker):
+    """hivemind's progress tracker with a round of ``samples_per_trainer x trainers`` samples.
+
+    hivemind counts only trainers that have reported samples (the coordinator never does), so the number
+    of progress records is the number of trainers.
+    """
+
+    samples_per_trainer: int = 1
+
+    def _parse_swarm_progress_data(self, metadata):
+        trainers = 0
+        if isinstance(metadata, dict):
+            trainers = sum(1 for record in metadata.values() if getattr(record, "value", None) is not None)
+        self.target_batch_size = self.samples_per_trainer * max(1, trainers)
+        return super()._parse_swarm_progress_data(metadata)
+
+
+class OuterStateAverager(TrainingStateAverager):
+    """hivemind's state averager for DiLoCo: it all-reduces pseudo-gradients and applies the outer optimizer.
+
+    Set up after construction by :meth:`init_outer` (the averager's process has forked by then; the outer
+    state lives in the trainer's process only, where hivemind also serves and applies states).
+    """
+
+    outer_parameters: list[torch.Tensor]
+    outer_optimizer: torch.optim.Optimizer
+    outer_rounds_applied: int = 0
+    loaded_epoch: int | None = None  # as RecordingStateAverager's: the epoch of the last state downloaded
+    last_pseudo_gradient_norm: float | None = None
+    own_pseudo_gradient_norm: float | None = None
+    refused_average: bool = False
+    guard_report = None  # set by geotrain.hive.optimizer.guarded
+    pseudo_gradient_norm_factor: float = 10.0  # set by build: guard.step_norm_factor
+
+    @torch.no_grad()
+    def init_outer(self, learning_rate: float, momentum: float, nesterov: bool) -> None:
+        self.outer_parameters = [p.detach().to("cpu", torch.float32, copy=True).requires_grad_(True)
+                                 for p in self._local_parameters()]
+        self.outer_optimizer = torch.optim.SGD(self.outer_parameters, lr=learning_rate, momentum=momentum,
+                                               nesterov=nesterov and momentum > 0)
+        if momentum > 0:
+            initialize_optimizer_state_(self.outer_optimizer)  # zero momentum buffers: a fixed state layout
+        for parameter in self.outer_parameters:
+            parameter.grad = None
+
+    def _local_parameters(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def _load_local_tensors_into_averager_(self):
+        """Before a round: this peer's pseudo-gradient (outer minus local parameters) and its buffers."""
+        if not hasattr(self, "outer_parameters"):  # hivemind's own call during construction
+            return super()._load_local_tensors_into_averager_()
+        local = list(self._local_tensors())
+        count = len(self.outer_parameters)
+        with self.get_tensors() as averaged:
+            for index, (local_tensor, averaged_tensor) in enumerate(zip(local, averaged)):
+                averaged_tensor.copy_(local_tensor, non_blocking=False)
+                if index < count:
+                    averaged_tensor.neg_().add_(self.outer_parameters[index])
+            self.own_pseudo_gradient_norm = total_norm(averaged[:count])
+            self._own_pseudo_gradient = [t.clone() for t in averaged[:count]]
+
+    @torch.no_grad()
+    def _apply_averaging_results_(self):
+        """After a round: the outer step with the averaged pseudo-gradient, then local = outer parameters."""
+        count = len(self.outer_parameters)
+        with self.get_tensors() as averaged:
+            pseudo_gradients, buffers = list(averaged[:count]), list(averaged[count:])
+            norm = total_norm(pseudo_gradients)
+            own_norm = self.own_pseudo_gradient_norm
+            reason = None
+            if not all_finite(pseudo_gradients) or not all_finite(buffers):
+                reason = "non-finite"
+            elif own_norm is not None and own_norm > 0 and norm > self.pseudo_gradient_norm_factor * own_norm:
+                reason = "norm"
+            self.refused_average = reason is not None
+            if reason is not None:
+                logger.warning("refused the swarm's pseudo-gradient average (%s: norm %.4g, this peer's own %.4g); "
+                               "stepping with this peer's own and loading the swarm's state next", reason, norm,
+                               own_norm if own_norm is not None else math.nan)
+                if self.guard_report is not None:
+                    self.guard_report.count("pseudo_gradient", reason)
+                    self.guard_report.event("pseudo_gradient_refused", peer_id=self.peer_id.to_base58(),
+                                            reason=reason, norm=norm if math.isfinite(norm) else str(norm),
+                                            own_norm=own_norm)
+                pseudo_gradients = self._own_pseudo_gradient
+                buffers = None
+            self._outer_step(pseudo_gradients)
+            if buffers is not None:
+                for local_buffer, averaged_buffer in zip(self.extra_tensors, buffers):
+                    local_buffer.copy_(averaged_buffer)
+        self.last_pseudo_gradient_norm = total_norm(pseudo_gradients) if reason else norm
+
+    @torch.no_grad()
+    def apply_own_pseudo_gradient_(self) -> None:
+        """The outer step of a round without peers: this peer's own pseudo-gradient (DiLoCo with one worker)."""
+        self._load_local_tensors_into_averager_()
+        self._outer_step(self._own_pseudo_gradient)
+        self.last_pseudo_gradient_norm = self.own_pseudo_gradient_norm
+
+    @torch.no_grad()
+    def _outer_step(self, pseudo_gradients) -> None:
+        with self.lock_optimizer:
+            for parameter, pseudo_gradient in zip(self.outer_parameters, pseudo_gradients):
+                parameter.grad = pseudo_gradient
+            self.outer_optimizer.step()
+            for parameter in self.outer_parameters:
+                parameter.grad = None
+            self._copy_outer_into_local()
+        self.outer_rounds_applied += 1
+
+    @torch.no_grad()
+    def _copy_outer_into_local(self) -> None:
+        for local, outer in zip(self._local_parameters(), self.outer_parameters):
+            local.copy_(outer)
+
+    def get_current_state(self):
+        """What a newcomer downloads: the outer parameters (not this peer's local ones), buffers, the inner and
+        the outer optimizer's state, the epoch."""
+        if not hasattr(self, "outer_parameters"):
+            return super().get_current_state()
+        with torch.no_grad(), self.lock_averaged_tensors, self.lock_optimizer:
+            parameters = tuple(p.detach().clone() for p in self.outer_parameters)
+            extras = tuple(t.detach().cpu() for t in self.extra_tensors)
+            inner_metadata, inner_tensors = dump_optimizer_state(self.optimizer)
+            outer_metadata, outer_tensors = dump_optimizer_state(self.outer_optimizer)
+        infos = [CompressionInfo.from_tensor(p, key=key, role=TensorRole.PARAMETER)
+                 for p, key in zip(parameters, self.parameter_names)]
+        infos += [CompressionInfo.from_tensor(t, key=i, role=TensorRole.UNSPECIFIED) for i, t in enumerate(extras)]
+        infos += [CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER)
+                  for i, t in enumerate(inner_tensors + outer_tensors)]
+        metadata = dict(epoch=self.local_epoch, group_bits=self.get_group_bits(), optimizer_metadata=inner_metadata,
+                        outer_optimizer_metadata=outer_metadata, inner_optimizer_tensors=len(inner_tensors))
+        return metadata, [*parameters, *extras, *inner_tensors, *outer_tensors], infos
+
+    def load_state_from_peers(self, **kwargs):
+        """Download a donor's outer state (see :meth:`get_current_state`); a state that does not fit this model
+        or holds non-finite values is refused whole, before anything of it is applied."""
+        if not hasattr(self, "outer_parameters"):
+            return super().load_state_from_peers(**kwargs)
+        loaded = super(TrainingStateAverager, self).load_state_from_peers(**kwargs)  # DecentralizedAverager's
+        if loaded is None:
+            return None
+        metadata, tensors = loaded
+        problem = self._state_problem(metadata, tensors)
+        if problem is not None:
+            logger.warning("refused the downloaded DiLoCo state: %s; this peer keeps its own", problem)
+            if problem == "non-finite values" and self.guard_report is not None:
+                self.guard_report.count("parameters", "non-finite in loaded state")
+                self.guard_report.event("state_refused", peer_id=self.peer_id.to_base58(), reason="non-finite")
+            return None
+        count, extras = len(self.outer_parameters), len(self.extra_tensors)
+        inner_count = metadata["inner_optimizer_tensors"]
+        parameters = tensors[:count]
+        buffers = tensors[count:count + extras]
+        inner = tensors[count + extras:count + extras + inner_count]
+        outer = tensors[count + extras + inner_count:]
+        with torch.no_grad(), self.lock_averaged_tensors, self.lock_optimizer:
+            try:
+                load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], inner)
+                load_optimizer_state(self.outer_optimizer, metadata["outer_optimizer_metadata"], outer)
+            except (StopIteration, KeyError, ValueError, IndexError) as error:
+                logger.warning("refused the downloaded DiLoCo state: its optimizer state does not fit (%s)", error)
+                return None
+            for outer_parameter, loaded_parameter in zip(self.outer_parameters, parameters):
+                outer_parameter.copy_(loaded_parameter)
+            for buffer, loaded_buffer in zip(self.extra_tensors, buffers):
+                buffer.copy_(loaded_buffer)
+            self._copy_outer_into_local()
+        self.local_epoch = self.loaded_epoch = metadata["epoch"]
+        self._update_scheduler()
+        return True
+
+    def _state_problem(self, metadata, tensors) -> str | None:
+        if not isinstance(metadata, dict) or not isinstance(metadata.get("epoch"), int):
+            return "no epoch in its metadata"
+        if metadata["epoch"] < self.local_epoch:
+            return f"its epoch {metadata['epoch']} is behind this peer's {self.local_epoch}"
+        if not isinstance(metadata.get("inner_optimizer_tensors"), int) or "outer_optimizer_metadata" not in metadata:
+            return "it is not a DiLoCo state (is the donor in optimizer.mode sync?)"
+        count, extras = len(self.outer_parameters), len(self.extra_tensors)
+        if len(tensors) < count + extras + metadata["inner_optimizer_tensors"]:
+            return "it holds fewer tensors than this model has"
+        for tensor, parameter in zip(tensors[:count], self.outer_parameters):
+            if tensor.shape != parameter.shape:
+                return f"a parameter of shape {tuple(tensor.shape)} where this model has {tuple(parameter.shape)}"
+        if not all_finite(t for t in tensors if t.is_floating_point()):
+            return "non-finite values"
+        return None
+
+    def outer_state_dict(self) -> dict:
+        """For checkpoints: the outer optimizer's state (the outer parameters are the model's after a round)."""
+        return self.outer_optimizer.state_dict()
+
+    @torch.no_grad()
+    def load_outer_state_dict(self, state: dict) -> None:
+        """After a checkpoint restore set the model's (= outer) parameters: take them as the outer parameters."""
+        for outer, local in zip(self.outer_parameters, self._local_parameters()):
+            outer.copy_(local)
+        self.outer_optimizer.load_state_dict(state)
+
+
+def diloco_optimizer_class(base: type) -> type:
+    """``base`` (geotrain's hivemind.Optimizer subclass) running outer rounds; see the module's docstring."""
+
+    class DiLoCoOptimizer(base):
+        samples_per_trainer_round: int = 1
+        pseudo_gradient_bytes: int = 0  # compressed, as sent
+        on_outer_round = None  # callable(result, duration_s, group_size, pseudo_gradient_norm, sent_bytes)
+        _resync = False
+
+        def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+            tracker = RoundTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                   client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=False,
+                                   **kwargs)
+            tracker.samples_per_trainer = self.samples_per_trainer_round
+            tracker.target_batch_size = self.samples_per_trainer_round
+            tracker.start()
+            return tracker
+
+        def _update_global_epoch(self, grad_scaler) -> None:
+            averager = self.state_averager
+            trainers = self.tracker.global_progress.num_peers
+            applied_before = averager.outer_rounds_applied
+            next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
+            control = self.scheduled_state
+            if trainers > 1 and (control is None or control.triggered or control.done()):
+                # scheduled here when hivemind did not pre-schedule it, so that its outcome is known afterwards
+                control = self.scheduled_state = averager.schedule_step(gather=next_epoch,
+                                                                        timeout=self.averaging_timeout)
+            started = time.perf_counter()
+            super()._update_global_epoch(grad_scaler)
+            duration_s = time.perf_counter() - started
+            group_size, result = 1, "alone"
+            if averager.outer_rounds_applied == applied_before:  # no round ran: a swarm of one, or hivemind skipped
+                averager.apply_own_pseudo_gradient_()
+                if control is not None and not control.done():
+                    control.cancel()
+            elif control is not None:
+                result = averaging_round_result(control)
+                group_size = len(control.result()) if result == "ok" else 1
+                if averager.refused_average:
+                    result = "refused"
+            if trainers > 1 and (result != "ok" or group_size * 2 <= trainers):
+                self._resync = True
+                averager.state_sharing_priority = self.local_epoch - MISSED_ROUND_PRIORITY_PENALTY
+                logger.warning("outer round %d: %s, group of %d of the %d trainers seen; this peer's outer step "
+                               "differs from the majority's: loading the swarm's state before the next step",
+                               self.local_epoch, result, group_size, trainers)
+            else:
+                logger.info("outer round %d: %s with %d of %d trainers in %.1f s, pseudo-gradient norm %.4g",
+                            self.local_epoch, result, group_size, max(trainers, 1), duration_s,
+                            averager.last_pseudo_gradient_norm or 0.0)
+            if self.on_outer_round is not None:
+                # hivemind's butterfly all-reduce: each of g peers sends (g - 1) / g of its part twice (reduce, gather)
+                sent_bytes = 2 * self.pseudo_gradient_bytes * (group_size - 1) / group_size
+                self.on_outer_round(result, duration_s, group_size, averager.last_pseudo_gradient_norm, sent_bytes)
+
+        def _should_load_state_from_peers(self) -> bool:
+            if self._resync and self.tracker.global_progress.num_peers > 1:
+                self._resync = False
+                return True
+            return super()._should_load_state_from_peers()
+
+    return DiLoCoOptimizer
+
