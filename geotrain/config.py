@@ -32,7 +32,7 @@ from geotrain.tasks.presets import PRESET_NAMES
 
 TaskName = Literal["cv", "nlp", "asr", "emulated"]
 NetworkProfileName = Literal["loopback", "lan", "continent", "intercontinental"]
-GradCompression = Literal["none", "fp16", "uniform8bit"]
+GradCompression = Literal["none", "fp16", "uniform8bit", "powersgd"]
 OptimizerName = Literal["sgd", "adam", "adamw", "lamb"]
 
 
@@ -238,6 +238,10 @@ class DiLoCoConfig(_Strict):
     outer_learning_rate: float = Field(0.7, gt=0, description="Learning rate of the outer SGD step.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD step.")
     nesterov: bool = Field(True, description="Nesterov momentum for the outer step.")
+    matchmaking_time_s: float | None = Field(
+        None, gt=0, description="How long a round waits for the trainers to meet; none: twice the network profile's "
+                                "matchmaking time, at least 5 s (rounds are rare, and a trainer that misses one has to "
+                                "load the others' state).")
 
 
 class OptimizerConfig(_Strict):
@@ -255,6 +259,9 @@ class OptimizerConfig(_Strict):
     learning_rate: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_compression: GradCompression
+    powersgd_rank: int = Field(
+        4, ge=1, description="grad_compression powersgd: rank r of the factors sent for each gradient matrix (m x n: "
+                             "r (m + n) values instead of m n; lower sends less and approximates more coarsely).")
     delayed_parameter_updates: bool
     use_local_updates: bool = Field(False, description="Step locally each micro-step; average parameters instead.")
     offload_optimizer: bool = Field(
@@ -314,6 +321,15 @@ class OptimizerConfig(_Strict):
                              f"optimizer.learning_rate ({self.learning_rate}); expected a decay, not a rise")
         return self
 
+    @property
+    def round_matchmaking_time_s(self) -> float:
+        """How long an averaging round waits for its group: DiLoCo's own window, else the profile's."""
+        if self.mode != "diloco":
+            return self.matchmaking_time_s
+        if self.diloco.matchmaking_time_s is not None:
+            return self.diloco.matchmaking_time_s
+        return max(5.0, 2 * self.matchmaking_time_s)
+
     def describe_rounds(self) -> str:
         """What one epoch of the swarm is, for operators: e.g. "epochs of 4096 samples"."""
         if self.mode == "diloco":
@@ -338,6 +354,20 @@ class OptimizerConfig(_Strict):
             raise ValueError(
                 f"optimizer.target_batch_size ({self.target_batch_size}) is below optimizer.batch_size_per_step "
                 f"({self.batch_size_per_step}); expected target_batch_size >= batch_size_per_step")
+        return self
+
+    @model_validator(mode="after")
+    def _check_powersgd(self) -> "OptimizerConfig":
+        if self.grad_compression != "powersgd":
+            return self
+        if self.mode == "diloco":
+            raise ValueError("optimizer.grad_compression powersgd does not apply to optimizer.mode diloco: PowerSGD "
+                             "compresses sync mode's gradient averaging, and DiLoCo averages pseudo-gradients in its "
+                             "state averager; use none, fp16 or uniform8bit")
+        if self.use_local_updates:
+            raise ValueError("optimizer.grad_compression powersgd needs gradient averaging, and "
+                             "optimizer.use_local_updates averages parameters instead; use none, fp16 or uniform8bit, "
+                             "or pass --no-local-updates")
         return self
 
 

@@ -19,13 +19,16 @@ How geotrain runs it on hivemind:
   parameters (``optimizer.grad_compression``, fp16 by default; buffers such as batch norm statistics are
   averaged as values), then applies the outer step. A newcomer downloads the *outer* parameters, both
   optimizers' state and the epoch, never a donor's half-way local parameters.
-- A trainer whose round failed, or whose group held no more than half of the trainers it saw (hivemind
-  issue #624: peers lost in ``averager.step``), applied a different outer step than the rest: it offers
-  its state at a lower priority and loads the outer state of a trainer that was in the majority before
-  its next micro-step (:meth:`DiLoCoOptimizer._should_load_state_from_peers`).
-- A pseudo-gradient average that is not finite, or whose norm is over ``guard.step_norm_factor`` times this
-  peer's own pseudo-gradient's (the mean of honest ones is never larger than the largest of them), is
-  refused: this peer applies its own pseudo-gradient instead, and re-syncs as above.
+- Every member of a round tells the group a fingerprint of the outer parameters it steps from (hivemind's
+  ``gather``). A trainer that missed a round (its round failed, or it was lost from the group: hivemind
+  issue #624) stepped alone and holds other outer parameters than the rest; at its next round the
+  members whose fingerprint is not the group's majority's load the outer state of a majority member
+  (the smallest peer id; ties go to the fingerprint of the smallest peer id) before their next micro-step,
+  so every trainer steps from the same outer parameters again.
+- Each received part is checked for non-finite values and its weight (:mod:`geotrain.hive.guard`; not
+  for its norm: pseudo-gradients grow with a peer's inner steps, which differ by design). An average that
+  is not finite, or whose norm is over :data:`MAX_PSEUDO_GRADIENT_TO_PARAMETERS` times the parameters'
+  norm, is refused: this peer applies its own pseudo-gradient instead, and re-syncs as above.
 
 Memory: the outer parameters, the outer momentum and hivemind's averaging buffer, each one fp32 copy of the
 parameters in host memory (3x the parameters' size, on the CPU).
@@ -48,7 +51,14 @@ from geotrain.hive.step_guard import all_finite, total_norm
 
 logger = logging.getLogger(__name__)
 
-MISSED_ROUND_PRIORITY_PENALTY = 0.5  # below every in-sync trainer of the same epoch (the coordinator gets +0.5)
+# An honest round moves the parameters by a small fraction of their norm (a few percent in the runs of
+# docs/diloco.md); an average that would move them by half of it comes from a scaled or forged contribution.
+MAX_PSEUDO_GRADIENT_TO_PARAMETERS = 0.5
+# Members of a round tell each other FINGERPRINT_VALUES of their outer parameters, evenly spread over them (an
+# outer step moves all of them). Equal up to FINGERPRINT_TOLERANCE (relative L2): the compression's rounding
+# leaves ~1e-5; a round taken apart moves parameters by ~1e-2 of their norm.
+FINGERPRINT_VALUES = 64
+FINGERPRINT_TOLERANCE = 1e-3
 
 
 class RoundTracker(ProgressTracker):
@@ -77,13 +87,14 @@ class OuterStateAverager(TrainingStateAverager):
 
     outer_parameters: list[torch.Tensor]
     outer_optimizer: torch.optim.Optimizer
+    outer_fingerprint: list[float]  # sampled outer parameters; about equal on trainers stepping from the same
     outer_rounds_applied: int = 0
     loaded_epoch: int | None = None  # as RecordingStateAverager's: the epoch of the last state downloaded
     last_pseudo_gradient_norm: float | None = None
     own_pseudo_gradient_norm: float | None = None
     refused_average: bool = False
     guard_report = None  # set by geotrain.hive.optimizer.guarded
-    pseudo_gradient_norm_factor: float = 10.0  # set by build: guard.step_norm_factor
+    contribution_norm_check = False  # see geotrain.hive.guard: parts are checked for finiteness and weight only
 
     @torch.no_grad()
     def init_outer(self, learning_rate: float, momentum: float, nesterov: bool) -> None:
@@ -95,6 +106,20 @@ class OuterStateAverager(TrainingStateAverager):
             initialize_optimizer_state_(self.outer_optimizer)  # zero momentum buffers: a fixed state layout
         for parameter in self.outer_parameters:
             parameter.grad = None
+        self._update_fingerprint()
+
+    @torch.no_grad()
+    def _update_fingerprint(self) -> None:
+        flat = torch.cat([p.detach().reshape(-1) for p in self.outer_parameters])
+        stride = max(1, flat.numel() // FINGERPRINT_VALUES)
+        self.outer_fingerprint = [float(value) for value in flat[::stride][:FINGERPRINT_VALUES]]
+
+    def schedule_step(self, scheduled_time=None, **kwargs):
+        """hivemind's pre-scheduled round, with this peer's outer parameters' fingerprint in what the group
+        gathers: after the round every member knows whose outer parameters the others stepped from."""
+        if hasattr(self, "outer_fingerprint"):
+            kwargs["gather"] = {"epoch": kwargs.get("gather"), "outer": self.outer_fingerprint}
+        return super().schedule_step(scheduled_time, **kwargs)
 
     def _local_parameters(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -121,22 +146,22 @@ class OuterStateAverager(TrainingStateAverager):
         with self.get_tensors() as averaged:
             pseudo_gradients, buffers = list(averaged[:count]), list(averaged[count:])
             norm = total_norm(pseudo_gradients)
-            own_norm = self.own_pseudo_gradient_norm
+            bound = MAX_PSEUDO_GRADIENT_TO_PARAMETERS * total_norm(self.outer_parameters)
             reason = None
             if not all_finite(pseudo_gradients) or not all_finite(buffers):
                 reason = "non-finite"
-            elif own_norm is not None and own_norm > 0 and norm > self.pseudo_gradient_norm_factor * own_norm:
+            elif norm > bound:
                 reason = "norm"
             self.refused_average = reason is not None
             if reason is not None:
-                logger.warning("refused the swarm's pseudo-gradient average (%s: norm %.4g, this peer's own %.4g); "
-                               "stepping with this peer's own and loading the swarm's state next", reason, norm,
-                               own_norm if own_norm is not None else math.nan)
+                logger.warning("refused the swarm's pseudo-gradient average (%s: norm %.4g, at most %.4g: %.2g times "
+                               "the parameters' norm); stepping with this peer's own and loading the swarm's state "
+                               "next", reason, norm, bound, MAX_PSEUDO_GRADIENT_TO_PARAMETERS)
                 if self.guard_report is not None:
                     self.guard_report.count("pseudo_gradient", reason)
                     self.guard_report.event("pseudo_gradient_refused", peer_id=self.peer_id.to_base58(),
                                             reason=reason, norm=norm if math.isfinite(norm) else str(norm),
-                                            own_norm=own_norm)
+                                            bound=bound)
                 pseudo_gradients = self._own_pseudo_gradient
                 buffers = None
             self._outer_step(pseudo_gradients)
@@ -161,6 +186,7 @@ class OuterStateAverager(TrainingStateAverager):
             for parameter in self.outer_parameters:
                 parameter.grad = None
             self._copy_outer_into_local()
+        self._update_fingerprint()
         self.outer_rounds_applied += 1
 
     @torch.no_grad()
@@ -221,6 +247,7 @@ class OuterStateAverager(TrainingStateAverager):
             for buffer, loaded_buffer in zip(self.extra_tensors, buffers):
                 buffer.copy_(loaded_buffer)
             self._copy_outer_into_local()
+        self._update_fingerprint()
         self.local_epoch = self.loaded_epoch = metadata["epoch"]
         self._update_scheduler()
         return True
@@ -252,6 +279,31 @@ class OuterStateAverager(TrainingStateAverager):
         for outer, local in zip(self.outer_parameters, self._local_parameters()):
             outer.copy_(local)
         self.outer_optimizer.load_state_dict(state)
+        self._update_fingerprint()
+
+
+def same_outer_parameters(first: list[float], second: list[float]) -> bool:
+    """Whether two fingerprints come from the same outer parameters, up to the rounding of a compressed round
+    (hivemind's all-reduce hands each member its average through the compression, so members differ in the
+    last bits) and far from the difference of an outer step taken apart."""
+    if len(first) != len(second) or not first:
+        return False
+    distance = math.sqrt(sum((a - b) ** 2 for a, b in zip(first, second)))
+    return distance <= FINGERPRINT_TOLERANCE * max(math.sqrt(sum(a * a for a in first)), 1e-12)
+
+
+def majority_donor(gathered: dict) -> tuple[str | None, int]:
+    """From a round's gathered metadata ({peer id: {"outer": fingerprint, ...}}): the member whose outer
+    parameters most members share (ties: the smallest peer id), and how many share them; (None, 0) when no
+    member sent a fingerprint."""
+    fingerprints = {str(peer_id): metadata["outer"] for peer_id, metadata in gathered.items()
+                    if isinstance(metadata, dict) and isinstance(metadata.get("outer"), list)}
+    best, best_count = None, 0
+    for peer_id in sorted(fingerprints):
+        count = sum(same_outer_parameters(fingerprints[peer_id], other) for other in fingerprints.values())
+        if count > best_count:
+            best, best_count = peer_id, count
+    return best, best_count
 
 
 def diloco_optimizer_class(base: type) -> type:
@@ -261,7 +313,7 @@ def diloco_optimizer_class(base: type) -> type:
         samples_per_trainer_round: int = 1
         pseudo_gradient_bytes: int = 0  # compressed, as sent
         on_outer_round = None  # callable(result, duration_s, group_size, pseudo_gradient_norm, sent_bytes)
-        _resync = False
+        _resync_from: str | None = None  # peer id of the round's majority whose outer state to load
 
         def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
             tracker = RoundTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
@@ -282,25 +334,32 @@ def diloco_optimizer_class(base: type) -> type:
                 # scheduled here when hivemind did not pre-schedule it, so that its outcome is known afterwards
                 control = self.scheduled_state = averager.schedule_step(gather=next_epoch,
                                                                         timeout=self.averaging_timeout)
+            own_fingerprint = averager.outer_fingerprint
             started = time.perf_counter()
             super()._update_global_epoch(grad_scaler)
             duration_s = time.perf_counter() - started
-            group_size, result = 1, "alone"
+            group_size, result, gathered = 1, "alone", {}
             if averager.outer_rounds_applied == applied_before:  # no round ran: a swarm of one, or hivemind skipped
                 averager.apply_own_pseudo_gradient_()
                 if control is not None and not control.done():
                     control.cancel()
             elif control is not None:
                 result = averaging_round_result(control)
-                group_size = len(control.result()) if result == "ok" else 1
+                if result == "ok":
+                    gathered = control.result()
+                    group_size = len(gathered)
                 if averager.refused_average:
                     result = "refused"
-            if trainers > 1 and (result != "ok" or group_size * 2 <= trainers):
-                self._resync = True
-                averager.state_sharing_priority = self.local_epoch - MISSED_ROUND_PRIORITY_PENALTY
-                logger.warning("outer round %d: %s, group of %d of the %d trainers seen; this peer's outer step "
-                               "differs from the majority's: loading the swarm's state before the next step",
-                               self.local_epoch, result, group_size, trainers)
+            donor, sharing = majority_donor(gathered)
+            donor_fingerprint = gathered.get(next((p for p in gathered if str(p) == donor), None), {}).get("outer") \
+                if donor is not None else None
+            if donor_fingerprint is not None and not same_outer_parameters(own_fingerprint, donor_fingerprint):
+                # this peer's outer parameters were not the group's (a round it missed, a split group, a refused
+                # average): it takes those of the group's majority, so that every trainer steps from the same ones
+                self._resync_from = donor
+                logger.warning("outer round %d: this trainer's outer parameters differ from those of the round's "
+                               "majority (%d of %d trainers); loading them from %s before the next step",
+                               self.local_epoch, sharing, group_size, donor)
             else:
                 logger.info("outer round %d: %s with %d of %d trainers in %.1f s, pseudo-gradient norm %.4g",
                             self.local_epoch, result, group_size, max(trainers, 1), duration_s,
@@ -311,10 +370,17 @@ def diloco_optimizer_class(base: type) -> type:
                 self.on_outer_round(result, duration_s, group_size, averager.last_pseudo_gradient_norm, sent_bytes)
 
         def _should_load_state_from_peers(self) -> bool:
-            if self._resync and self.tracker.global_progress.num_peers > 1:
-                self._resync = False
-                return True
-            return super()._should_load_state_from_peers()
+            return self._resync_from is not None or super()._should_load_state_from_peers()
+
+        def load_state_from_peers(self, **kwargs):
+            donor, self._resync_from = self._resync_from, None
+            report = self.state_averager.guard_report
+            if donor is None or report is None:
+                return super().load_state_from_peers(**kwargs)
+            report.set_only_donor(donor)
+            try:
+                return super().load_state_from_peers(**kwargs)
+            finally:
+                report.set_only_donor(None)
 
     return DiLoCoOptimizer
-

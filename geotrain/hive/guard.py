@@ -49,6 +49,7 @@ COUNTED = (
     ("step", "non-finite"), ("step", "norm"), ("microstep", "non-finite"),
     ("parameters", "non-finite after step"), ("parameters", "non-finite in loaded state"),
     ("parameters", "non-finite state average"),
+    ("pseudo_gradient", "non-finite"), ("pseudo_gradient", "norm"),
 )
 
 
@@ -265,8 +266,12 @@ class GuardedAveragerMixin:
                 own_weight = float(getattr(runner, "weight", 0.0) or 0.0)
                 own = own_parts[part_index] if own_parts is not None and part_index < len(own_parts) else None
                 part = deserialize_torch_tensor(message.tensor_part)
-                refusal = contribution_refusal(part, message.weight, own, own_weight,
-                                               self.guard_config.contribution_norm_factor, self.guard_max_weight)
+                # an averager may turn the norm check off: DiLoCo's pseudo-gradients grow with each peer's inner
+                # steps, which differ by design (geotrain.hive.diloco checks the average instead)
+                norm_factor = self.guard_config.contribution_norm_factor if \
+                    getattr(self, "contribution_norm_check", True) else math.inf
+                refusal = contribution_refusal(part, message.weight, own, own_weight, norm_factor,
+                                               self.guard_max_weight)
                 if refusal is not None:
                     self._guard_refuse_contribution(sender, *refusal)
                     raise ContributionRefused(f"{sender}: {refusal[1]}")

@@ -91,7 +91,10 @@ BYTES_PER_VALUE = {"none": 4, "fp16": 2, "uniform8bit": 1}  # as sent, per compr
 
 
 def build_compression(name: str):
-    return {"none": NoCompression, "fp16": Float16Compression, "uniform8bit": Uniform8BitQuantization}[name]()
+    """How each averaged part goes on the wire; powersgd sends its factors (and the tensors it leaves
+    uncompressed) in fp16, and state averaging (same compression) is fp16 too (geotrain.hive.powersgd)."""
+    return {"none": NoCompression, "fp16": Float16Compression, "uniform8bit": Uniform8BitQuantization,
+            "powersgd": Float16Compression}[name]()
 
 
 class RecordingStateAverager(TrainingStateAverager):
@@ -332,8 +335,14 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     opt = config.optimizer
     report = guard_report if guard_report is not None else GuardReport(None)
     admission = Admission(config.swarm.run_id, load_swarm_token(config.swarm), load_allowed_peer_ids(config.swarm))
+    grad_averager_options = {}
     if grad_averager_class is None:
         grad_averager_class = LocalGradientsKeepingAverager
+        if opt.grad_compression == "powersgd":  # (not with local updates or DiLoCo: OptimizerConfig._check_powersgd)
+            from geotrain.hive.powersgd import PowerSGDKeepingAverager  # it imports this module
+
+            grad_averager_class = PowerSGDKeepingAverager
+            grad_averager_options = {"averager_rank": opt.powersgd_rank}
         if checked:
             grad_averager_class = guarded(grad_averager_class, admission, report, config)
     diloco = opt.mode == "diloco"
@@ -358,7 +367,8 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory.
     # With local updates there is no gradient averager, and hivemind refuses a factory for one.
     grad_averager_factory = None if local_updates else partial(grad_averager_class,
-                                                               request_timeout=opt.request_timeout_s)
+                                                               request_timeout=opt.request_timeout_s,
+                                                               **grad_averager_options)
     optimizer = optimizer_class(
         dht=dht,
         run_id=config.swarm.run_id,
@@ -372,7 +382,7 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         # ... but not with local updates: hivemind's offloaded optimizer steps on gradients that only gradient
         # averaging puts there, so each local step would apply none (hivemind's own default is off there too)
         offload_optimizer=opt.offload_optimizer and not local_updates,
-        matchmaking_time=opt.matchmaking_time_s,
+        matchmaking_time=opt.round_matchmaking_time_s,
         averaging_timeout=opt.averaging_timeout_s,
         load_state_timeout=opt.load_state_timeout_s,
         # hivemind inverts a non-None client_mode into dht.client_mode; passing the same value keeps both equal
@@ -401,7 +411,6 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     if step_guard is not None and isinstance(averager, LocalGradientsKeepingAverager):
         step_guard.own_gradient_norm = averager.kept_gradients_norm
     if diloco:
-        optimizer.state_averager.pseudo_gradient_norm_factor = config.guard.step_norm_factor
         optimizer.state_averager.init_outer(opt.diloco.outer_learning_rate, opt.diloco.outer_momentum,
                                             opt.diloco.nesterov)
     if step_guard is not None:
