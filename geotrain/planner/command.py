@@ -9,6 +9,7 @@ Examples::
 
     geotrain plan --profile convnext_large --min-samples-per-second 200
     geotrain plan --profile convnext_large --objective throughput --budget-usd-per-hour 3 --clouds gc,aws
+    geotrain plan --profile roberta_xlm --mode diloco --inner-steps 500 --min-samples-per-second 1000
     geotrain local --json run.json && geotrain profile --from-run run.json --name mymodel
     geotrain plan --profile mymodel --plot frontier.png --json plan.json
 """
@@ -19,11 +20,12 @@ import argparse
 import sys
 
 from geotrain.planner.errors import PlannerError
-from geotrain.planner.model import DEFAULT_SPOT_INTERRUPTION_RATE, Settings
+from geotrain.planner.model import (DEFAULT_BATCH_SIZE_PER_STEP, DEFAULT_INNER_STEPS, DEFAULT_SPOT_INTERRUPTION_RATE,
+                                    MODES, Settings)
 from geotrain.planner.network import load_network
 from geotrain.planner.problem import DEFAULT_MAX_PEERS, DEFAULT_SOLVER_TIME_LIMIT_S, OBJECTIVES, Inputs, Request
 from geotrain.planner.profiles import load_profile, profile_from_run, save_profile
-from geotrain.planner.report import format_table, plan_json, plot_frontier, why_best, write_json
+from geotrain.planner.report import describe_mode, format_table, plan_json, plot_frontier, why_best, write_json
 from geotrain.planner.solve import plan
 from geotrain.pricing.catalog import load_catalog
 from geotrain.pricing.egress import load_egress
@@ -51,8 +53,19 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchor", choices=("coordinator", "trainer"), default="coordinator",
                         help="where durable state lives: a separate on-demand coordinator VM (default), or at "
                              "least one on-demand training VM (DeepVM's single anchor)")
+    parser.add_argument("--mode", choices=MODES, default="sync",
+                        help="training mode (optimizer.mode): sync all-reduces gradients every target batch; diloco "
+                             "steps each peer locally and all-reduces pseudo-gradients every --inner-steps micro-steps "
+                             "per peer (default: %(default)s)")
+    parser.add_argument("--inner-steps", type=int, metavar="H",
+                        help=f"diloco: micro-steps per peer between outer rounds (default: {DEFAULT_INNER_STEPS}, "
+                             "the DiLoCo paper's H)")
+    parser.add_argument("--batch-size-per-step", type=int, metavar="SAMPLES",
+                        help="diloco: samples per micro-step of one peer (optimizer.batch_size_per_step; default: "
+                             f"{DEFAULT_BATCH_SIZE_PER_STEP}, geotrain's default)")
     parser.add_argument("--overlap", action="store_true",
-                        help="plan with delayed parameter updates (communication overlaps the next round's compute)")
+                        help="plan with delayed parameter updates (communication overlaps the next round's compute; "
+                             "sync mode only)")
     parser.add_argument("--spread-zones", action="store_true",
                         help="VMs of one region sit in different zones and pay inter-zone egress")
     parser.add_argument("--spot-interruption-rate", type=float, default=DEFAULT_SPOT_INTERRUPTION_RATE,
@@ -101,6 +114,20 @@ def _check_positive(name: str, value: float | None, allow_zero: bool = False) ->
         raise PlannerError(f"{name} is {value:g}; expected a number above 0")
 
 
+def _settings(args: argparse.Namespace) -> Settings:
+    """How the swarm runs; --inner-steps and --batch-size-per-step only mean something in diloco mode."""
+    if args.mode != "diloco":
+        for flag, value in (("--inner-steps", args.inner_steps), ("--batch-size-per-step", args.batch_size_per_step)):
+            if value is not None:
+                raise PlannerError(f"{flag} {value} applies only to --mode diloco (--mode {args.mode} all-reduces "
+                                   f"every target batch); add --mode diloco or leave out {flag}")
+    return Settings(overlap=args.overlap, spread_zones=args.spread_zones,
+                    spot_interruption_rate=args.spot_interruption_rate, anchor=args.anchor, mode=args.mode,
+                    inner_steps=DEFAULT_INNER_STEPS if args.inner_steps is None else args.inner_steps,
+                    batch_size_per_step=DEFAULT_BATCH_SIZE_PER_STEP if args.batch_size_per_step is None
+                    else args.batch_size_per_step)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     try:
         return _plan(args)
@@ -122,12 +149,11 @@ def _plan(args: argparse.Namespace) -> int:
         raise PlannerError(f"--top is {args.top}; expected at least 1")
     if args.objective == "throughput" and args.budget_usd_per_hour is None:
         raise PlannerError("--objective throughput needs --budget-usd-per-hour (otherwise more VMs are always faster)")
+    settings = _settings(args)
     profile = load_profile(args.profile, args.profiles_dir)
     offers = load_catalog(args.catalog)
     egress = load_egress(args.egress)
     egress.check_clouds({o.cloud for o in offers})
-    settings = Settings(overlap=args.overlap, spread_zones=args.spread_zones,
-                        spot_interruption_rate=args.spot_interruption_rate, anchor=args.anchor)
     inputs = Inputs(offers=offers, profile=profile, network=load_network(args.network), egress=egress,
                     settings=settings)
     request = Request(objective=args.objective, budget_usd_per_hour=args.budget_usd_per_hour,
@@ -135,12 +161,16 @@ def _plan(args: argparse.Namespace) -> int:
                       clouds=_names(args.clouds), regions=_names(args.regions), continents=_names(args.continents),
                       region_quota_gpus=_quotas(args.quota), solver_time_limit_s=args.solver_time_limit)
     result = plan(inputs, request, top=args.top)
-    mode = "with overlap (delayed parameter updates)" if args.overlap else "without overlap"
     where = f"; {result.coordinator_note}" if result.coordinator_note else ""
     coordinator = (f"coordinator on {result.coordinator.name} (${result.coordinator.price_usd_per_hour:g}/h, "
                    f"included in compute $/h{where})" if result.coordinator else "anchor: an on-demand training VM")
-    print(f"Plan for {profile.name} ({profile.parameters / 1e6:.1f}M parameters, TBS {profile.target_batch_size}), "
-          f"objective {args.objective}, samples/s {mode}; {coordinator}.")
+    if settings.mode == "diloco":  # TBS plays no part, and there is no overlap
+        print(f"Plan for {profile.name} ({profile.parameters / 1e6:.1f}M parameters), {describe_mode(settings)}, "
+              f"objective {args.objective}; {coordinator}.")
+    else:
+        overlap = "with overlap (delayed parameter updates)" if args.overlap else "without overlap"
+        print(f"Plan for {profile.name} ({profile.parameters / 1e6:.1f}M parameters, TBS {profile.target_batch_size}), "
+              f"{describe_mode(settings)}, objective {args.objective}, samples/s {overlap}; {coordinator}.")
     print(format_table(result.candidates, args.train_samples))
     print(why_best(result, request, args.objective))
     reduced = "" if result.exact else (" (a large catalog: reduced to candidate offers first, an approximation; "

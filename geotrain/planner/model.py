@@ -307,4 +307,5 @@ def evaluate(counts: dict[Offer, int] | list[tuple[Offer, int]], profile: ModelP
         coordinator_usd_per_hour=coordinator.price_usd_per_hour if coordinator else 0.0,
         egress_usd_per_hour=egress_usd_per_round * rounds_per_hour,
         data_usd_per_hour=data_usd_per_round * rounds_per_hour,
-        traffic_gb_per_round=traffic_gb, bottleneck=bottleneck, samples_per_round=round_samples, coordinator=coordinator)
+        traffic_gb_per_round=traffic_gb, bottleneck=bottleneck, samples_per_round=round_samples,
+        coordinator=coordinator)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from geotrain.planner.errors import PlannerError
-from geotrain.planner.model import Prediction
+from geotrain.planner.model import Prediction, Settings
 from geotrain.planner.problem import Request
 from geotrain.planner.solve import Plan
 
@@ -34,6 +34,15 @@ def format_table(candidates: list[Prediction], train_samples: float | None = Non
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def describe_mode(settings: Settings) -> str:
+    """The training mode, and in diloco mode what one averaging round is, for the plan's header."""
+    if settings.mode != "diloco":
+        return f"mode {settings.mode}"
+    per_peer = settings.inner_steps * settings.batch_size_per_step
+    return (f"mode diloco (an outer all-reduce every {settings.inner_steps} inner steps of "
+            f"{settings.batch_size_per_step} samples per peer: {per_peer} samples x peers per round)")
 
 
 def _percent(a: float, b: float) -> str:
@@ -96,6 +105,11 @@ def plan_json(plan: Plan, request: Request, objective: str, profile_name: str,
                     "regions": sorted(request.regions) if request.regions else None,
                     "continents": sorted(request.continents) if request.continents else None,
                     "region_quota_gpus": request.region_quota_gpus},
+        "settings": {"mode": plan.settings.mode, "overlap": plan.settings.overlap,
+                     "inner_steps": plan.settings.inner_steps if plan.settings.mode == "diloco" else None,
+                     "batch_size_per_step": plan.settings.batch_size_per_step if plan.settings.mode == "diloco"
+                     else None, "spread_zones": plan.settings.spread_zones,
+                     "spot_interruption_rate": plan.settings.spot_interruption_rate, "anchor": plan.settings.anchor},
         "coordinator": plan.coordinator.name if plan.coordinator else None,
         "coordinator_note": plan.coordinator_note or None,
         "left_out": plan.left_out,

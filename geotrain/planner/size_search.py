@@ -228,7 +228,8 @@ class SizeSearch:
             comm = 0.0
             if n > 1:
                 link = self.same_site_link[site]
-                comm = profile.round_overhead_s + transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms, settings)
+                comm = profile.round_overhead_s + transfer_s(profile, n, link.bandwidth_gbit_per_s, link.rtt_ms,
+                                                             settings)
             traffic_usd = n * (n - 1) * pair_gb * inputs.egress.usd_per_gb(rep, rep, settings.spread_zones) \
                 + round_samples * self.data_gb_per_sample * inputs.egress.data_loading_usd_per_gb(rep)
             quota = quotas.get(site[1])
