@@ -4,8 +4,8 @@ hivemind's all-reduce gives each peer the average as *its own tensor plus the (c
 difference to the average*, so after each round the peers agree to within rounding, not bit for
 bit. A user who takes the model from any peer at the end expects one model. So when a run reaches
 ``max_epochs``, the trainers at the final epoch agree on one of them, the *finalizer* (the lowest
-peer id among the non-client peers at the highest epoch), and every other trainer downloads its
-exact state (parameters and optimizer statistics, uncompressed). That costs one state transfer per
+peer id among the non-client peers at the highest epoch; a finalizer that has already said so is
+followed by peers that come later), and every other trainer downloads its exact state (parameters and optimizer statistics, uncompressed). That costs one state transfer per
 peer, once per run. Trainers stop sharing their own state first, and download from the finalizer alone
 (a banned peer that still offers its state is never asked). Every step is bounded by ``timeout_s``; a peer that can not agree in time keeps its
 own parameters and says so.
@@ -35,6 +35,36 @@ def _store(dht, run_id: str, peer_id: str, value: dict, timeout_s: float) -> Non
     dht.store(final_key(run_id), subkey=peer_id, value=value, expiration_time=get_dht_time() + 2 * timeout_s)
 
 
+def _serve_final_state(dht, run_id: str, peer_id: str, model, epoch: int, others: set[str], expected_peers: int,
+                       banned, deadline: float, timeout_s: float, settle_s: float) -> tuple[str, bool]:
+    """The finalizer: wait until every peer that finishes the run has taken this peer's state.
+
+    Those are the candidates seen so far, any whose candidate record or last-epoch progress shows up while
+    it waits (records come late on a loaded machine), and for up to ``settle_s`` at least ``expected_peers - 1``
+    others: the trainers the swarm counted in its last epoch (one that left or died in it costs that wait).
+    """
+    sha256 = parameters_sha256(model)
+    settle_deadline = time.monotonic() + settle_s
+    _store(dht, run_id, peer_id, {"role": "finalizer", "sha256": sha256, "epoch": epoch}, timeout_s)
+    logger.info("final state %s is this peer's; waiting for the %d other trainers of the last epoch to take it",
+                sha256[:16], max(len(others), expected_peers - 1))
+    synced: set[str] = set()
+    while time.monotonic() < deadline:
+        excluded = banned()
+        records = _final_records(dht, run_id)
+        synced = {pid for pid, r in records.items() if r.get("role") == "synced" and r["sha256"] == sha256}
+        others |= {pid for pid, r in records.items() if r.get("epoch", -1) >= epoch and r.get("role") == "candidate"}
+        others |= {pid for pid, p in read_progress(dht, run_id).items() if p.epoch >= epoch - 1}
+        others -= excluded | {peer_id}
+        enough = len(synced) >= expected_peers - 1 - len(excluded) or time.monotonic() > settle_deadline
+        if others <= synced and enough:
+            return sha256, True
+        time.sleep(POLL_S)
+    logger.warning("%d peers did not take the final state within %.0f s",
+                   max(len(others - synced), expected_peers - 1 - len(synced)), timeout_s)
+    return sha256, False
+
+
 def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_mode: bool,
                          timeout_s: float, guard_report=None) -> tuple[str, bool]:
     """Make this peer's parameters equal the finalizer's. Returns (parameters sha256, agreed).
@@ -44,6 +74,7 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
     its gradients were refused), is neither waited for nor downloaded from.
     """
     peer_id = str(dht.peer_id)
+    expected_peers = optimizer.tracker.global_progress.num_peers  # trainers the swarm counted in the last epoch
     optimizer.state_averager.step(wait_for_delayed_updates=True)
     _store(dht, run_id, peer_id, {"role": "candidate", "sha256": parameters_sha256(model), "epoch": epoch,
                                   "client_mode": client_mode}, timeout_s)
@@ -65,7 +96,8 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
     own = {"epoch": epoch, "client_mode": client_mode}
     # (a peer that just finished its last epoch stores its record within seconds, later on loaded machines; a
     # peer that publishes progress but never says it takes part costs this wait once)
-    settle_deadline = time.monotonic() + min(30.0, timeout_s / 2)
+    settle_s = min(30.0, timeout_s / 2)
+    settle_deadline = time.monotonic() + settle_s
     while True:
         excluded = banned()
         records = _final_records(dht, run_id)
@@ -78,28 +110,22 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
             break
         time.sleep(POLL_S)
     deadline = time.monotonic() + timeout_s
-    # every peer computes the same list from the same records: the non-client candidates at the newest epoch
+    # a finalizer that has already said so is followed (a peer whose records came late, on a loaded machine,
+    # must not pick another one); otherwise every peer computes the same list from the same records: the
+    # non-client candidates at the newest epoch
+    declared = sorted(pid for pid, r in _final_records(dht, run_id).items()
+                      if r.get("role") == "finalizer" and r.get("epoch", -1) >= epoch and pid not in banned())
     top_epoch = max(int(r.get("epoch", -1)) for r in candidates.values())
-    donors = sorted(pid for pid, r in candidates.items() if r.get("epoch") == top_epoch and not r.get("client_mode"))
-    peers = set(candidates)  # those that take the final state, the finalizer included
+    donors = declared or sorted(pid for pid, r in candidates.items()
+                                if r.get("epoch") == top_epoch and not r.get("client_mode"))
     if not donors:
         logger.warning("no peer can share the final state; keeping this peer's own parameters")
         return parameters_sha256(model), False
     finalizer = donors[0]
 
     if finalizer == peer_id:
-        sha256 = parameters_sha256(model)
-        _store(dht, run_id, peer_id, {"role": "finalizer", "sha256": sha256, "epoch": epoch}, timeout_s)
-        others = set(peers) - {peer_id}
-        logger.info("final state %s is this peer's; waiting for %d peers to take it", sha256[:16], len(others))
-        while time.monotonic() < deadline:
-            records = _final_records(dht, run_id)
-            synced = {pid for pid, r in records.items() if r.get("role") == "synced" and r["sha256"] == sha256}
-            if others <= synced:
-                return sha256, True
-            time.sleep(POLL_S)
-        logger.warning("%d peers did not take the final state within %.0f s", len(others - synced), timeout_s)
-        return sha256, False
+        return _serve_final_state(dht, run_id, peer_id, model, epoch, set(candidates) - {peer_id},
+                                  expected_peers, banned, deadline, timeout_s, settle_s)
 
     for averager in (optimizer.state_averager, getattr(optimizer, "grad_averager", None)):
         if averager is not None and not client_mode:
