@@ -25,10 +25,12 @@ How geotrain runs it on hivemind:
   members whose fingerprint is not the group's majority's load the outer state of a majority member
   (the smallest peer id; ties go to the fingerprint of the smallest peer id) before their next micro-step,
   so every trainer steps from the same outer parameters again.
-- Each received part is checked for non-finite values and its weight (:mod:`geotrain.hive.guard`; not
-  for its norm: pseudo-gradients grow with a peer's inner steps, which differ by design). An average that
-  is not finite, or whose norm is over :data:`MAX_PSEUDO_GRADIENT_TO_PARAMETERS` times the parameters'
-  norm, is refused: this peer applies its own pseudo-gradient instead, and re-syncs as above.
+- Each received part is checked (:mod:`geotrain.hive.guard`) for non-finite values, a weight other than
+  the 1 every member sends, and a norm over ``guard.contribution_norm_factor`` times this peer's own
+  (checked only when this peer did a quarter of ``inner_steps`` in the round: pseudo-gradients grow with
+  a peer's inner steps). An average that is not finite, or whose norm is over
+  :data:`MAX_PSEUDO_GRADIENT_TO_PARAMETERS` times the parameters' norm, is refused: this peer applies its
+  own pseudo-gradient instead, and re-syncs as above.
 
 Memory: the outer parameters, the outer momentum and hivemind's averaging buffer, each one fp32 copy of the
 parameters in host memory (3x the parameters' size, on the CPU).
@@ -36,8 +38,10 @@ parameters in host memory (3x the parameters' size, on the CPU).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
+import multiprocessing
 import time
 
 import torch
@@ -94,7 +98,18 @@ class OuterStateAverager(TrainingStateAverager):
     own_pseudo_gradient_norm: float | None = None
     refused_average: bool = False
     guard_report = None  # set by geotrain.hive.optimizer.guarded
-    contribution_norm_check = False  # see geotrain.hive.guard: parts are checked for finiteness and weight only
+    min_inner_steps_for_norm_check: float = 1.0  # set by build (a class attribute): a quarter of inner_steps
+
+    def __init__(self, *args, **kwargs):
+        # shared with the averager's process (it forks in hivemind's __init__), where the guard reads it
+        self.own_inner_steps = multiprocessing.Value(ctypes.c_double, 0.0, lock=False)
+        super().__init__(*args, **kwargs)
+
+    def contribution_norm_applies(self) -> bool:
+        """Whether the guard (geotrain.hive.guard) compares received parts with this peer's own pseudo-gradient:
+        pseudo-gradients grow with a peer's inner steps, so a peer with few steps this round (it just joined or
+        re-synced) has no fair scale to compare with."""
+        return self.own_inner_steps.value >= self.min_inner_steps_for_norm_check
 
     @torch.no_grad()
     def init_outer(self, learning_rate: float, momentum: float, nesterov: bool) -> None:
@@ -335,6 +350,7 @@ def diloco_optimizer_class(base: type) -> type:
                 control = self.scheduled_state = averager.schedule_step(gather=next_epoch,
                                                                         timeout=self.averaging_timeout)
             own_fingerprint = averager.outer_fingerprint
+            averager.own_inner_steps.value = self.tracker.local_progress.samples_accumulated / self.batch_size_per_step
             started = time.perf_counter()
             super()._update_global_epoch(grad_scaler)
             duration_s = time.perf_counter() - started
@@ -362,7 +378,7 @@ def diloco_optimizer_class(base: type) -> type:
                                self.local_epoch, sharing, group_size, donor)
             else:
                 logger.info("outer round %d: %s with %d of %d trainers in %.1f s, pseudo-gradient norm %.4g",
-                            self.local_epoch, result, group_size, max(trainers, 1), duration_s,
+                            self.local_epoch, result, group_size, max(trainers, group_size), duration_s,
                             averager.last_pseudo_gradient_norm or 0.0)
             if self.on_outer_round is not None:
                 # hivemind's butterfly all-reduce: each of g peers sends (g - 1) / g of its part twice (reduce, gather)

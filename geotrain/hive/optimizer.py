@@ -317,6 +317,8 @@ def guarded(averager_class: type, admission: Admission, report: GuardReport, con
     """``averager_class`` with the checks of :class:`~geotrain.hive.guard.GuardedAveragerMixin`, configured."""
     max_weight = config.guard.max_claimed_batches * config.optimizer.target_batch_size + \
         config.optimizer.batch_size_per_step
+    if issubclass(averager_class, OuterStateAverager):
+        max_weight = 1.0  # every member of a DiLoCo round sends its pseudo-gradient at hivemind's weight of 1
     return type(f"Guarded{averager_class.__name__}", (GuardedAveragerMixin, averager_class),
                 {"guard_admission": admission, "guard_report": report, "guard_config": config.guard,
                  "guard_max_weight": float(max_weight)})
@@ -346,8 +348,10 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         if checked:
             grad_averager_class = guarded(grad_averager_class, admission, report, config)
     diloco = opt.mode == "diloco"
-    state_averager_class = type("DiLoCoStateAverager", (OuterStateAverager, RecordingStateAverager), {}) if diloco \
-        else RecordingStateAverager
+    state_averager_class = RecordingStateAverager
+    if diloco:  # (class attributes: the averager's process forks at construction and sees these)
+        state_averager_class = type("DiLoCoStateAverager", (OuterStateAverager, RecordingStateAverager),
+                                    {"min_inner_steps_for_norm_check": max(1.0, opt.diloco.inner_steps / 4)})
     if checked:
         state_averager_class = guarded(state_averager_class, admission, report, config)
     if diloco:
