@@ -91,13 +91,14 @@ def run(directory: Path, corpus: Path, name: str, flags: list[str], epochs: int,
             "outer_rounds": len(outer_rounds)}
 
 
-def compare(directory: Path, h_values=H_VALUES, samples: int = SAMPLES, peers: int = PEERS) -> dict:
+def compare(directory: Path, h_values=H_VALUES, samples: int = SAMPLES, peers: int = PEERS,
+            sync_target_batch_size: int = SYNC_TARGET_BATCH_SIZE) -> dict:
     """Sync mode and DiLoCo at each H, on the same corpus and sample budget; the figures of the report."""
     corpus = directory / "corpus"
     write_corpus(corpus)
-    runs = [run(directory, corpus, "sync", ["--mode", "sync", "--target-batch-size", str(SYNC_TARGET_BATCH_SIZE),
+    runs = [run(directory, corpus, "sync", ["--mode", "sync", "--target-batch-size", str(sync_target_batch_size),
                                             "--lr", str(SYNC_LEARNING_RATE)],
-                -(-samples // SYNC_TARGET_BATCH_SIZE), peers)]
+                -(-samples // sync_target_batch_size), peers)]
     for h in h_values:
         round_samples = h * BATCH_SIZE * peers
         runs.append(run(directory, corpus, f"diloco-H{h}", ["--mode", "diloco", "--inner-steps", str(h),
@@ -110,7 +111,7 @@ def compare(directory: Path, h_values=H_VALUES, samples: int = SAMPLES, peers: i
     for r in runs:
         r["final_loss_vs_sync"] = r["final_loss"] / sync_loss - 1
     return {"benchmark": "diloco_convergence", "budget_samples": budget, "peers": peers, "batch_size": BATCH_SIZE,
-            "sync_target_batch_size": SYNC_TARGET_BATCH_SIZE, "sync_learning_rate": SYNC_LEARNING_RATE,
+            "sync_target_batch_size": sync_target_batch_size, "sync_learning_rate": SYNC_LEARNING_RATE,
             "inner_learning_rate": INNER_LEARNING_RATE, "outer_learning_rate": 0.7, "outer_momentum": 0.9,
             "runs": runs}
 

@@ -167,6 +167,8 @@ class Trainer:
                 logger.info("waiting for %d trainers to join", config.training.wait_for_peers)
             self._wait_for_peers(dht, stop, announced_trainers, "joined")
             self._load_state_if_behind(optimizer, dht, model, peer_id)
+            if config.optimizer.mode == "diloco":  # state loads from here on: behind, or off a round's majority
+                optimizer.on_outer_state_loaded = partial(self._on_outer_state_loaded, peer_id)
             totals = self._train(task, model, compute, batches, optimizer, stop, peer_id, dht)
             if not stop.is_set() and config.training.max_epochs is not None:
                 _, agreed = agree_on_final_state(dht, optimizer, model, config.swarm.run_id, optimizer.local_epoch,
@@ -200,6 +202,11 @@ class Trainer:
         self.metrics.outer_round(result, duration_s, group_size, pseudo_gradient_norm, sent_bytes)
         self.events.write("outer_round", peer_id=peer_id, result=result, seconds=duration_s, group_size=group_size,
                           pseudo_gradient_norm=pseudo_gradient_norm, sent_bytes=sent_bytes)
+
+    def _on_outer_state_loaded(self, peer_id: str, donor: str | None, epoch: int) -> None:
+        """A DiLoCo trainer took the swarm's outer state during training: it was behind, or off the majority."""
+        self.metrics.state_loads.inc()
+        self.events.write("outer_state_loaded", peer_id=peer_id, donor=donor, state_epoch=epoch)
 
     def _on_notice(self, notice, stopper: Stopper) -> None:
         """A preemption notice: leave within the budget, and before the cloud takes the VM."""

@@ -26,9 +26,9 @@ How geotrain runs it on hivemind:
   (the smallest peer id; ties go to the fingerprint of the smallest peer id) before their next micro-step,
   so every trainer steps from the same outer parameters again.
 - Each received part is checked (:mod:`geotrain.hive.guard`) for non-finite values, a weight other than
-  the 1 every member sends, and a norm over ``guard.contribution_norm_factor`` times this peer's own
+  the 1 every member sends, and a norm over 100 x ``guard.contribution_norm_factor`` times this peer's own
   (checked only when this peer did a quarter of ``inner_steps`` in the round: pseudo-gradients grow with
-  a peer's inner steps). An average that is not finite, or whose norm is over
+  a peer's inner steps and differ far more than gradients do). An average that is not finite, or whose norm is over
   :data:`MAX_PSEUDO_GRADIENT_TO_PARAMETERS` times the parameters' norm, is refused: this peer applies its
   own pseudo-gradient instead, and re-syncs as above.
 
@@ -97,8 +97,14 @@ class OuterStateAverager(TrainingStateAverager):
     last_pseudo_gradient_norm: float | None = None
     own_pseudo_gradient_norm: float | None = None
     refused_average: bool = False
+    resyncing: bool = False  # set by the optimizer while it loads the state of its round's majority
+    refused_state: str | None = None  # why the last downloaded state was refused
     guard_report = None  # set by geotrain.hive.optimizer.guarded
     min_inner_steps_for_norm_check: float = 1.0  # set by build (a class attribute): a quarter of inner_steps
+    # Honest pseudo-gradients of one round differ far more in norm than honest gradients do (up to 43x in a
+    # loopback CV run, with every member past a quarter of H): the guard's factor is widened 100-fold, which
+    # still refuses a contribution scaled a million times (tests/unit/test_diloco.py)
+    contribution_norm_slack = 100
 
     def __init__(self, *args, **kwargs):
         # shared with the averager's process (it forks in hivemind's __init__), where the guard reads it
@@ -240,6 +246,7 @@ class OuterStateAverager(TrainingStateAverager):
         problem = self._state_problem(metadata, tensors)
         if problem is not None:
             logger.warning("refused the downloaded DiLoCo state: %s; this peer keeps its own", problem)
+            self.refused_state = problem
             if problem == "non-finite values" and self.guard_report is not None:
                 self.guard_report.count("parameters", "non-finite in loaded state")
                 self.guard_report.event("state_refused", peer_id=self.peer_id.to_base58(), reason="non-finite")
@@ -282,6 +289,12 @@ class OuterStateAverager(TrainingStateAverager):
                 return f"a parameter of shape {tuple(tensor.shape)} where this model has {tuple(parameter.shape)}"
         if not all_finite(t for t in tensors if t.is_floating_point()):
             return "non-finite values"
+        if self.resyncing:  # a peer of this peer's own round: its outer parameters are at most a few steps apart
+            distance = total_norm([t - p for t, p in zip(tensors[:count], self.outer_parameters)])
+            bound = MAX_PSEUDO_GRADIENT_TO_PARAMETERS * total_norm(self.outer_parameters)
+            if distance > bound:
+                return (f"its parameters are {distance:.4g} away from this peer's (at most {bound:.4g} for a state of "
+                        "the same round)")
         return None
 
     def outer_state_dict(self) -> dict:
@@ -329,6 +342,8 @@ def diloco_optimizer_class(base: type) -> type:
         pseudo_gradient_bytes: int = 0  # compressed, as sent
         on_outer_round = None  # callable(result, duration_s, group_size, pseudo_gradient_norm, sent_bytes)
         _resync_from: str | None = None  # peer id of the round's majority whose outer state to load
+        on_outer_state_loaded = None  # callable(donor peer id or None: any, epoch of the state)
+        guard_ban_s: float = 600.0  # set by build: guard.ban_s
 
         def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
             tracker = RoundTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
@@ -391,12 +406,25 @@ def diloco_optimizer_class(base: type) -> type:
         def load_state_from_peers(self, **kwargs):
             donor, self._resync_from = self._resync_from, None
             report = self.state_averager.guard_report
-            if donor is None or report is None:
-                return super().load_state_from_peers(**kwargs)
-            report.set_only_donor(donor)
+            averager = self.state_averager
+            loaded_before = averager.loaded_epoch
+            if donor is not None and report is not None:
+                report.set_only_donor(donor)
+            averager.resyncing, averager.refused_state = donor is not None, None
             try:
-                return super().load_state_from_peers(**kwargs)
+                result = super().load_state_from_peers(**kwargs)
             finally:
-                report.set_only_donor(None)
+                averager.resyncing = False
+                if donor is not None and report is not None:
+                    report.set_only_donor(None)
+            if donor is not None and averager.refused_state is not None and report is not None:
+                # the round's "majority" offered a state that no honest round could have made: a forged one
+                report.bans.ban(donor, self.guard_ban_s)
+                logger.warning("banned %s for %.0f s: its outer state was refused (%s)", donor, self.guard_ban_s,
+                               averager.refused_state)
+            loaded = self.state_averager.loaded_epoch
+            if self.on_outer_state_loaded is not None and loaded is not None and loaded != loaded_before:
+                self.on_outer_state_loaded(donor, loaded)
+            return result
 
     return DiLoCoOptimizer

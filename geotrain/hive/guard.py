@@ -266,11 +266,12 @@ class GuardedAveragerMixin:
                 own_weight = float(getattr(runner, "weight", 0.0) or 0.0)
                 own = own_parts[part_index] if own_parts is not None and part_index < len(own_parts) else None
                 part = deserialize_torch_tensor(message.tensor_part)
-                # an averager may skip the norm check for a round: DiLoCo's pseudo-gradients grow with each
-                # peer's inner steps, so one with few steps has no scale to compare with (geotrain.hive.diloco)
+                # an averager may widen the norm check, or skip it for a round (DiLoCo's pseudo-gradients grow
+                # with each peer's inner steps: geotrain.hive.diloco)
+                norm_factor = self.guard_config.contribution_norm_factor * getattr(self, "contribution_norm_slack", 1)
                 norm_applies = getattr(self, "contribution_norm_applies", None)
-                norm_factor = self.guard_config.contribution_norm_factor if norm_applies is None or norm_applies() \
-                    else math.inf
+                if norm_applies is not None and not norm_applies():
+                    norm_factor = math.inf
                 refusal = contribution_refusal(part, message.weight, own, own_weight, norm_factor,
                                                self.guard_max_weight)
                 if refusal is not None:

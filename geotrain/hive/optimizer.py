@@ -358,6 +358,7 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         optimizer_class = type("GuardedDiLoCoOptimizer", (diloco_optimizer_class(MeasuredOptimizer),), {
             "state_averager_class": state_averager_class,
             "samples_per_trainer_round": opt.diloco.inner_steps * opt.batch_size_per_step,
+            "guard_ban_s": config.guard.ban_s,
             "pseudo_gradient_bytes": sum(p.numel() for p in model.parameters()) * BYTES_PER_VALUE[opt.grad_compression]})
     else:
         optimizer_class = type("GuardedMeasuredOptimizer", (MeasuredOptimizer,),
