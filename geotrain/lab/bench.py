@@ -80,6 +80,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="delayed parameter updates: communication overlaps the next round's compute "
                              "(default off, so the averaging time is measured)")
+    parser.add_argument("--mode", choices=("sync", "diloco"), default="sync",
+                        help="sync (default): gradients every epoch; diloco: local steps, pseudo-gradients every "
+                             "--inner-steps (an epoch is then an outer round)")
+    parser.add_argument("--inner-steps", type=int, default=100, metavar="H",
+                        help="diloco: micro-steps per trainer between outer rounds (default: %(default)s)")
     parser.add_argument("--lab", default=BENCH_LAB, help="lab name for the run (default: %(default)s)")
     parser.add_argument("--run-dir", type=Path, help="logs and events (default: runs/bench-SETUP-TIME)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
@@ -108,6 +113,8 @@ class BenchPlan:
     network_profile: str
     overlap: bool
     matchmaking_time_s: float | None
+    mode: str = "sync"
+    inner_steps: int = 100
 
     @property
     def preset(self) -> str:
@@ -141,6 +148,10 @@ def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
     for name in ("bandwidth_scale", "time_scale", "batch_size", "epochs"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')}: expected a whole number >= 1")
+    if args.mode == "diloco" and args.overlap:
+        raise BenchError("--overlap: delayed parameter updates do not apply to --mode diloco (no gradients to delay)")
+    if args.inner_steps < 1:
+        raise BenchError("--inner-steps: expected a whole number >= 1")
     if not 0 <= args.warmup_epochs < args.epochs:
         raise BenchError(f"--warmup-epochs {args.warmup_epochs}: expected 0 <= warmup < --epochs ({args.epochs})")
     full = load_topology(args.topology or match["topology"]).with_peers(int(match["peers"]))
@@ -157,13 +168,13 @@ def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
         time_scale=args.time_scale, parameters=max(1, profile.parameters // divisor),
         target_batch_size=target_batch_size, batch_size=args.batch_size, epochs=args.epochs,
         warmup_epochs=args.warmup_epochs, network_profile=args.network_profile or default_network_profile(full),
-        overlap=args.overlap, matchmaking_time_s=args.matchmaking_time)
+        overlap=args.overlap, matchmaking_time_s=args.matchmaking_time, mode=args.mode, inner_steps=args.inner_steps)
 
 
 # --- the planner's view --------------------------------------------------------------------------
 
 def planner_prediction(topology: Topology, profile, gpu: str, parameters: int, target_batch_size: int,
-                       overlap: bool) -> dict:
+                       overlap: bool, mode: str = "sync", inner_steps: int = 100, batch_size: int = 32) -> dict:
     """geotrain.planner.model.evaluate for one VM of ``gpu`` per peer in each region of ``topology``."""
 
     scaled = dataclasses.replace(profile, parameters=parameters, target_batch_size=target_batch_size,
@@ -182,7 +193,9 @@ def planner_prediction(topology: Topology, profile, gpu: str, parameters: int, t
         path.write_text("\n".join(lines) + "\n")
         network = load_network(path)
     egress = EgressPrices(prices={("*", kind, "*"): 0.0 for kind in KINDS})
-    prediction = evaluate(counts, scaled, network, egress, Settings(overlap=overlap, spot_interruption_rate=0.0))
+    settings = Settings(overlap=overlap, spot_interruption_rate=0.0, mode=mode, inner_steps=inner_steps,
+                        batch_size_per_step=batch_size)
+    prediction = evaluate(counts, scaled, network, egress, settings)
     return {"samples_per_second": prediction.samples_per_second,
             "compute_s_per_round": prediction.compute_s_per_round, "comm_s_per_round": prediction.comm_s_per_round,
             "granularity": prediction.granularity, "bottleneck": prediction.bottleneck,
@@ -223,6 +236,8 @@ class LabSwarm:
                      "--no-delayed-parameter-updates"]
         if plan.matchmaking_time_s is not None:
             arguments += ["--matchmaking-time", str(plan.matchmaking_time_s)]
+        if plan.mode == "diloco":
+            arguments += ["--mode", "diloco", "--inner-steps", str(plan.inner_steps)]
         return arguments
 
     def start(self, state: dict) -> list[Path]:
@@ -362,14 +377,17 @@ def report(plan: BenchPlan, measured: dict, completed: bool, run_dir: Path, elap
         "warmup_epochs": plan.warmup_epochs,
         "network_profile": plan.network_profile,
         "overlap": plan.overlap,
+        "mode": plan.mode,
+        "inner_steps": plan.inner_steps if plan.mode == "diloco" else None,
         "completed": completed,
         "measured": measured,
         "bandwidth_bound_s": bound_s,
         "bandwidth_bound_link": bound_link,
         "planner": planner_prediction(plan.topology, plan.profile, plan.gpu, plan.parameters, plan.target_batch_size,
-                                      plan.overlap),
+                                      plan.overlap, plan.mode, plan.inner_steps, plan.batch_size),
         "planner_full_scale": planner_prediction(plan.full_topology, plan.profile, plan.gpu, plan.profile.parameters,
-                                                 plan.profile.target_batch_size, plan.overlap),
+                                                 plan.profile.target_batch_size, plan.overlap, plan.mode,
+                                                 plan.inner_steps, plan.batch_size),
         "run_dir": str(run_dir),
         "elapsed_s": elapsed_s,
         "machine": {"cpus": os.cpu_count()},

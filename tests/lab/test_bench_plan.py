@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
-from geotrain.lab.bench import BenchError, add_bench_arguments, bandwidth_bound_s, plan_benchmark, planner_prediction
+from geotrain.lab.bench import (BenchError, LabSwarm, add_bench_arguments, bandwidth_bound_s, plan_benchmark,
+                                planner_prediction)
 
 
 def _plan(*arguments: str):
@@ -47,7 +49,21 @@ def test_scaling_keeps_the_planners_transfer_time():
     (["--setup", "C4"], r"expected TOPOLOGY-PEERS, e.g. C-4"),
     (["--setup", "C-4", "--epochs", "2", "--warmup-epochs", "2"], r"expected 0 <= warmup < --epochs"),
     (["--setup", "C-4", "--gpu", "H100"], r"no samples/s for it; expected one of T4, A10, 8xV100"),
+    (["--setup", "C-4", "--mode", "diloco", "--overlap"], r"do not apply to --mode diloco"),
+    (["--setup", "C-4", "--mode", "diloco", "--inner-steps", "0"], r"--inner-steps: expected a whole number >= 1"),
 ])
 def test_bad_requests_are_explained(arguments, message):
     with pytest.raises(BenchError, match=message):
         _plan(*arguments)
+
+
+def test_diloco_trainers_get_the_mode_and_the_planner_predicts_it():
+    plan = _plan("--setup", "C-4", "--profile", "roberta_xlm", "--mode", "diloco", "--inner-steps", "500")
+    arguments = LabSwarm(plan, "lab", Path("/nonexistent")).training_arguments()
+    assert arguments[-4:] == ["--mode", "diloco", "--inner-steps", "500"]
+    sync = planner_prediction(plan.full_topology, plan.profile, plan.gpu, plan.profile.parameters,
+                              plan.profile.target_batch_size, False)
+    diloco = planner_prediction(plan.full_topology, plan.profile, plan.gpu, plan.profile.parameters,
+                                plan.profile.target_batch_size, False, "diloco", 500, plan.batch_size)
+    # one round's communication, amortised over H x b x N = 64,000 samples instead of the target batch's 32,768
+    assert diloco["samples_per_second"] > sync["samples_per_second"]
