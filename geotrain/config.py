@@ -227,13 +227,12 @@ class SwarmConfig(_Strict):
 class DiLoCoConfig(_Strict):
     """``optimizer.mode: diloco``: local inner steps, an outer step on the averaged pseudo-gradient every round.
 
-    Defaults are the DiLoCo paper's (Douillard et al., arXiv 2311.08105: outer SGD with Nesterov momentum,
-    lr 0.7, momentum 0.9); ``inner_steps`` is geotrain's default for a swarm spread over continents (the
-    paper used 500 on one datacenter's GPUs; see docs/diloco.md for the trade-off measured here).
+    Defaults are the DiLoCo paper's (Douillard et al., arXiv 2311.08105: H = 500 inner steps, outer SGD with
+    Nesterov momentum, lr 0.7, momentum 0.9); docs/diloco.md shows the trade-off over H measured here.
     """
 
     inner_steps: int = Field(
-        100, ge=1, description="H: micro-steps per trainer between outer rounds (on average: a round comes when "
+        500, ge=1, description="H: micro-steps per trainer between outer rounds (on average: a round comes when "
                                "the swarm has done H x batch_size_per_step x trainers samples).")
     outer_learning_rate: float = Field(0.7, gt=0, description="Learning rate of the outer SGD step.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD step.")

@@ -117,7 +117,7 @@ class PowerSGDKeepingAverager(LocalGradientsKeepingAverager, PowerSGDGradientAve
 
     def __init__(self, *args, averager_rank: int = DEFAULT_RANK, **kwargs):
         self._round_in_feedback = False  # averager process: this round's gradient is in the feedback buffers
-        self._rounds_done = 0  # averager process: rounds that ended well
+        self._rounds_done = 0  # averager process: rounds it finished (the trainer may have stopped waiting)
         super().__init__(*args, averager_rank=averager_rank, **kwargs)
 
     # --- the guard's view of the factors ------------------------------------------------------------------
@@ -150,7 +150,7 @@ class PowerSGDKeepingAverager(LocalGradientsKeepingAverager, PowerSGDGradientAve
                 await self._take_round_out_of_feedback()
             raise
         if not self._rounds_done:
-            logger.info("first PowerSGD round averaged with %d peers: %s", len(group_info.peer_ids),
+            logger.info("first PowerSGD round done in a group of %d peers: %s", len(group_info.peer_ids),
                         self.describe_traffic())
         self._rounds_done += 1
         return gathered

@@ -83,7 +83,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=("sync", "diloco"), default="sync",
                         help="sync (default): gradients every epoch; diloco: local steps, pseudo-gradients every "
                              "--inner-steps (an epoch is then an outer round)")
-    parser.add_argument("--inner-steps", type=int, default=100, metavar="H",
+    parser.add_argument("--inner-steps", type=int, default=500, metavar="H",
                         help="diloco: micro-steps per trainer between outer rounds (default: %(default)s)")
     parser.add_argument("--lab", default=BENCH_LAB, help="lab name for the run (default: %(default)s)")
     parser.add_argument("--run-dir", type=Path, help="logs and events (default: runs/bench-SETUP-TIME)")
@@ -114,7 +114,7 @@ class BenchPlan:
     overlap: bool
     matchmaking_time_s: float | None
     mode: str = "sync"
-    inner_steps: int = 100
+    inner_steps: int = 500
 
     @property
     def preset(self) -> str:
@@ -174,7 +174,7 @@ def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
 # --- the planner's view --------------------------------------------------------------------------
 
 def planner_prediction(topology: Topology, profile, gpu: str, parameters: int, target_batch_size: int,
-                       overlap: bool, mode: str = "sync", inner_steps: int = 100, batch_size: int = 32) -> dict:
+                       overlap: bool, mode: str = "sync", inner_steps: int = 500, batch_size: int = 32) -> dict:
     """geotrain.planner.model.evaluate for one VM of ``gpu`` per peer in each region of ``topology``."""
 
     scaled = dataclasses.replace(profile, parameters=parameters, target_batch_size=target_batch_size,

@@ -143,3 +143,21 @@ def test_checkpoints_record_the_config_without_the_mirrors_credentials():
 def test_a_mirror_needs_a_coordinator_that_holds_state():
     with pytest.raises(ConfigError, match="holds no state"):
         validate_config({"coordinator": {"mirror_url": "s3://bucket/run", "hold_state": False}})
+
+
+def test_powersgd_has_a_rank_of_four_by_default_and_takes_another():
+    assert validate_config({"optimizer": {"grad_compression": "powersgd"}}).optimizer.powersgd_rank == 4
+    assert load_config(set_args=["optimizer.grad_compression=powersgd", "optimizer.powersgd_rank=1"]
+                       ).optimizer.powersgd_rank == 1
+    with pytest.raises(ConfigError, match="powersgd_rank"):
+        validate_config({"optimizer": {"grad_compression": "powersgd", "powersgd_rank": 0}})
+
+
+@pytest.mark.parametrize("other, message", [
+    ({"use_local_updates": True}, "powersgd needs gradient averaging.*use_local_updates averages parameters"),
+    ({"mode": "diloco"}, "powersgd does not apply to optimizer.mode diloco"),
+])
+def test_powersgd_refuses_modes_without_gradient_averaging(other, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config({"optimizer": {"grad_compression": "powersgd", **other}})
+    validate_config({"optimizer": {"grad_compression": "uniform8bit", **other}})  # the others compress those too
