@@ -103,7 +103,7 @@ class OuterStateAverager(TrainingStateAverager):
     min_inner_steps_for_norm_check: float = 1.0  # set by build (a class attribute): a quarter of inner_steps
     # Honest pseudo-gradients of one round differ far more in norm than honest gradients do (up to 43x in a
     # loopback CV run, with every member past a quarter of H): the guard's factor is widened 100-fold, which
-    # still refuses a contribution scaled a million times (tests/unit/test_diloco.py)
+    # still refuses a contribution scaled a million times
     contribution_norm_slack = 100
 
     def __init__(self, *args, **kwargs):

@@ -16,7 +16,7 @@ shrink at least twofold (``min_compression_ratio``) are sent as they are, in pha
 wire in fp16 (:func:`geotrain.hive.optimizer.build_compression`), and so do the state averaging rounds.
 
 :class:`PowerSGDKeepingAverager` is that averager with what geotrain's gradient averager adds
-(:class:`~geotrain.hive.optimizer.LocalGradientsKeepingAverager`), and, wrapped by
+(:class:`~geotrain.hive.local_gradients.LocalGradientsKeepingAverager`), and, wrapped by
 :func:`geotrain.hive.optimizer.guarded`, with the guard's checks (:mod:`geotrain.hive.guard`):
 
 - The guard sees every part of both phases (both are ordinary hivemind all-reduces, registered under the
@@ -45,7 +45,7 @@ from hivemind.optim.power_sgd_averager import AllReducePhases, PowerSGDGradientA
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.math import get_flatten_greedy_dims
 
-from geotrain.hive.optimizer import LocalGradientsKeepingAverager
+from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
 
 logger = logging.getLogger(__name__)
 
