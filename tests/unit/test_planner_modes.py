@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 from test_planner_command import run_cli
-from test_planner_solve import CATALOG, PROFILE, brute_force
+from test_planner_solve import CATALOG, PROFILE, brute_force, check_against_brute_force
 
 from geotrain.planner.errors import PlannerError
 from geotrain.planner.model import DEFAULT_INNER_STEPS, Settings, evaluate
 from geotrain.planner.network import load_network
-from geotrain.planner.problem import Inputs, Request, ranking_key, satisfies
+from geotrain.planner.problem import Inputs, Request, ranking_key
 from geotrain.planner.profiles import load_profile
 from geotrain.planner.solve import plan
 from geotrain.planner.validation import setup_counts, shipped_inputs
@@ -102,14 +102,8 @@ SMALL_ROUNDS = Settings(mode="diloco", inner_steps=50, batch_size_per_step=32)  
 ])
 def test_optimiser_matches_brute_force_in_diloco_mode(objective, request_, settings):
     profile = replace(PROFILE, data_bytes_per_sample=500_000)  # data loading per round grows with S too
-    inputs = Inputs(CATALOG, profile, load_network(), load_egress(), settings)
-    expected = brute_force(inputs, request_, objective)
-    got = plan(inputs, request_, objective=objective).best
-    if objective == "throughput":
-        assert got.samples_per_second == pytest.approx(expected.samples_per_second, rel=1e-6)
-    else:
-        assert got.usd_per_million_samples == pytest.approx(expected.usd_per_million_samples, rel=1e-6)
-    assert satisfies(got, request_)
+    got = check_against_brute_force(Inputs(CATALOG, profile, load_network(), load_egress(), settings), request_,
+                                    objective)
     assert got.samples_per_round == settings.inner_steps * settings.batch_size_per_step * got.peers
 
 

@@ -92,7 +92,11 @@ READS_DATA = replace(PROFILE, data_bytes_per_sample=500_000)
     ("throughput", Request(max_peers=4, budget_usd_per_hour=1.6), Settings(), READS_DATA),
 ])
 def test_optimiser_matches_brute_force(objective, request_, settings, profile):
-    inputs = Inputs(CATALOG, profile, load_network(), load_egress(), settings)
+    check_against_brute_force(Inputs(CATALOG, profile, load_network(), load_egress(), settings), request_, objective)
+
+
+def check_against_brute_force(inputs, request_, objective):
+    """The plan's best configuration scores what the exhaustive search's does, and meets the request."""
     expected = brute_force(inputs, request_, objective)
     got = plan(inputs, request_, objective=objective).best
     if objective == "throughput":
@@ -100,6 +104,7 @@ def test_optimiser_matches_brute_force(objective, request_, settings, profile):
     else:
         assert got.usd_per_million_samples == pytest.approx(expected.usd_per_million_samples, rel=1e-6)
     assert satisfies(got, request_)
+    return got
 
 
 def test_every_swarm_size_is_the_best_of_its_size():
