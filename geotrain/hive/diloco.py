@@ -320,10 +320,10 @@ def same_outer_parameters(first: list[float], second: list[float]) -> bool:
     return distance <= FINGERPRINT_TOLERANCE * max(math.sqrt(sum(a * a for a in first)), 1e-12)
 
 
-def majority_donor(gathered: dict) -> tuple[str | None, int]:
+def majority_donor(gathered: dict) -> tuple[str | None, int, list[float] | None]:
     """From a round's gathered metadata ({peer id: {"outer": fingerprint, ...}}): the member whose outer
-    parameters most members share (ties: the smallest peer id), and how many share them; (None, 0) when no
-    member sent a fingerprint."""
+    parameters most members share (ties: the smallest peer id), how many share them, and its fingerprint;
+    (None, 0, None) when no member sent a fingerprint."""
     fingerprints = {str(peer_id): metadata["outer"] for peer_id, metadata in gathered.items()
                     if isinstance(metadata, dict) and isinstance(metadata.get("outer"), list)}
     best, best_count = None, 0
@@ -331,7 +331,7 @@ def majority_donor(gathered: dict) -> tuple[str | None, int]:
         count = sum(same_outer_parameters(fingerprints[peer_id], other) for other in fingerprints.values())
         if count > best_count:
             best, best_count = peer_id, count
-    return best, best_count
+    return best, best_count, fingerprints.get(best)
 
 
 def diloco_optimizer_class(base: type) -> type:
@@ -381,9 +381,7 @@ def diloco_optimizer_class(base: type) -> type:
                     group_size = len(gathered)
                 if averager.refused_average:
                     result = "refused"
-            donor, sharing = majority_donor(gathered)
-            donor_fingerprint = gathered.get(next((p for p in gathered if str(p) == donor), None), {}).get("outer") \
-                if donor is not None else None
+            donor, sharing, donor_fingerprint = majority_donor(gathered)
             if donor_fingerprint is not None and not same_outer_parameters(own_fingerprint, donor_fingerprint):
                 # this peer's outer parameters were not the group's (a round it missed, a split group, a refused
                 # average): it takes those of the group's majority, so that every trainer steps from the same ones
