@@ -47,6 +47,7 @@ import time
 import torch
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils import get_dht_time
 from hivemind.optim.state_averager import (TrainingStateAverager, dump_optimizer_state, initialize_optimizer_state_,
                                            load_optimizer_state)
 
@@ -55,9 +56,11 @@ from geotrain.hive.step_guard import all_finite, total_norm
 
 logger = logging.getLogger(__name__)
 
-# An honest round moves the parameters by a small fraction of their norm (a few percent in the runs of
-# docs/diloco.md); an average that would move them by half of it comes from a scaled or forged contribution.
-MAX_PSEUDO_GRADIENT_TO_PARAMETERS = 0.5
+# An honest round moves the parameters by a fraction of their norm (up to 20% in the first rounds of a tiny CV
+# model at lr 0.01; trainers that stepped apart for a few rounds were 1.2x apart); a pseudo-gradient average, or a
+# majority's state, 10 times the parameters' norm away comes from a scaled or forged contribution.
+MAX_PSEUDO_GRADIENT_TO_PARAMETERS = 10.0
+ALONE_REFRESH_S = 2.0  # before a round alone: how long to wait for a fresh look at the swarm's progress
 # Members of a round tell each other FINGERPRINT_VALUES of their outer parameters, evenly spread over them (an
 # outer step moves all of them). Equal up to FINGERPRINT_TOLERANCE (relative L2): the compression's rounding
 # leaves ~1e-5; a round taken apart moves parameters by ~1e-2 of their norm.
@@ -354,7 +357,20 @@ def diloco_optimizer_class(base: type) -> type:
             tracker.start()
             return tracker
 
+        def _others_in_sight(self) -> bool:
+            """Whether other trainers report progress, from a fresh look at the DHT (hivemind's view can be seconds
+            old: trainers that start together would each take their first rounds alone, and step apart)."""
+            tracker = self.tracker
+            tracker.fetched_global_progress_this_epoch.clear()
+            tracker.global_progress.next_fetch_time = get_dht_time()
+            tracker.global_state_updated.set()
+            tracker.fetched_global_progress_this_epoch.wait(ALONE_REFRESH_S)
+            return tracker.global_progress.num_peers > 1
+
         def _update_global_epoch(self, grad_scaler) -> None:
+            if self.tracker.global_progress.num_peers <= 1 and self._others_in_sight() \
+                    and not self.tracker.ready_to_update_epoch:
+                return  # the round is larger with the others counted: train on
             averager = self.state_averager
             trainers = self.tracker.global_progress.num_peers
             applied_before = averager.outer_rounds_applied
