@@ -1,0 +1,111 @@
+"""The NLP profile in the lab, side by side: the study's configuration, geotrain's intercontinental profile and DiLoCo.
+
+    sudo python benchmarks/lab_modes.py            # 6 `geotrain bench` runs, about 20 min on 2 shared cores
+    python benchmarks/lab_modes.py --table         # the docs/diloco.md table from the committed JSON
+
+[EMJ24]'s NLP model (RoBERTa-XLM, profile ``roberta_xlm``: 208.8 samples/s per T4, target batch 32K) emulated
+at setups A-4 (one zone) and C-4 (four continents): the largest of the study's setups this 2-core machine holds
+(8 trainers do not fit; the study's A-8/C-8 figures are for 8). Every run has the same time scale (8: target
+batch 4,096, model / 80, bandwidths / 10, latencies as in the study). Configurations:
+
+- ``study``: sync mode, fp16, delayed parameter updates (``--overlap``), the network profile the setup's
+  RTT calls for, as [EMJ24] ran it;
+- ``intercontinental``: sync mode with geotrain's ``intercontinental`` profile at both setups;
+- ``diloco``: DiLoCo mode, H = 64 micro-steps of 32 (the paper's 500 divided by the time scale, rounded:
+  one round per 8,192 samples of 4 trainers, twice the sync target batch).
+
+For each: swarm samples/s, per-peer efficiency (of the emulated 208.8 samples/s per trainer), the C-4 vs A-4
+penalty, and bytes sent per sample (the trainers' kernel TCP counters over their samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from geotrain.events import read_events  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "lab_modes"
+SETUPS = ("A-4", "C-4")
+DILOCO_INNER_STEPS = 64
+CONFIGURATIONS = {
+    "study": ["--overlap"],
+    "intercontinental": ["--network-profile", "intercontinental", "--overlap"],
+    "diloco": ["--mode", "diloco", "--inner-steps", str(DILOCO_INNER_STEPS)],
+}
+
+
+def bytes_per_sample(result: dict) -> float | None:
+    """Bytes the trainers sent (kernel TCP counters, every destination) per sample they processed."""
+    run_dir = Path(result["run_dir"])
+    finished = [event for path in run_dir.glob("peer-*.jsonl") for event in read_events(path)
+                if event["event"] == "finished"]
+    samples = sum(event.get("samples", 0) for event in finished)
+    sent = sum(sum((event.get("sent_bytes_by_region") or {}).values()) for event in finished)
+    return sent / samples if samples else None
+
+
+def run(setup: str, name: str, arguments: list[str]) -> Path:
+    path = RESULTS / f"{setup}_{name}.json"
+    subprocess.run([sys.executable, "-m", "geotrain", "bench", "--setup", setup, "--profile", "roberta_xlm",
+                    "--json", str(path), "--run-dir", str(ROOT / "runs" / f"lab-modes-{setup}-{name}"), *arguments],
+                   check=False, cwd=ROOT)
+    if path.exists():
+        result = json.loads(path.read_text())
+        result["bytes_per_sample"] = bytes_per_sample(result)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def table(results: dict[tuple[str, str], dict]) -> str:
+    lines = ["| configuration | A-4 samples/s | C-4 samples/s | per-peer efficiency A-4 / C-4 | C-4 vs A-4 | "
+             "bytes sent per sample A-4 / C-4 | parameters identical |", "|---|---|---|---|---|---|---|"]
+    for name in CONFIGURATIONS:
+        a, c = results.get(("A-4", name)), results.get(("C-4", name))
+        if not a or not c or "swarm_samples_per_second" not in a["measured"] or \
+                "swarm_samples_per_second" not in c["measured"]:
+            lines.append(f"| {name} | did not finish | | | | | |")
+            continue
+        ma, mc = a["measured"], c["measured"]
+        penalty = mc["swarm_samples_per_second"] / ma["swarm_samples_per_second"] - 1
+        sizes = " / ".join("-" if r.get("bytes_per_sample") is None else f"{r['bytes_per_sample'] / 1e3:.1f} kB"
+                           for r in (a, c))
+        identical = "yes" if ma["params_identical"] and mc["params_identical"] else "NO"
+        lines.append(f"| {name} | {ma['swarm_samples_per_second']:.1f} | {mc['swarm_samples_per_second']:.1f} | "
+                     f"{ma['per_peer_efficiency']:.2f} / {mc['per_peer_efficiency']:.2f} | {100 * penalty:+.0f}% | "
+                     f"{sizes} | {identical} |")
+    return "\n".join(lines)
+
+
+def load() -> dict[tuple[str, str], dict]:
+    results = {}
+    for setup in SETUPS:
+        for name in CONFIGURATIONS:
+            path = RESULTS / f"{setup}_{name}.json"
+            if path.exists():
+                results[(setup, name)] = json.loads(path.read_text())
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", action="store_true", help="print the table of the committed JSON and exit")
+    parser.add_argument("--configurations", default=",".join(CONFIGURATIONS))
+    args = parser.parse_args()
+    if not args.table:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        for name in args.configurations.split(","):
+            for setup in SETUPS:
+                run(setup, name, CONFIGURATIONS[name])
+    print(table(load()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
