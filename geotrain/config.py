@@ -65,6 +65,10 @@ class _Strict(BaseModel):
 # that. A peer that died without a goodbye (SIGKILL, a VM gone) stays "in the swarm" for the others
 # until its record expires: they keep counting its samples and wait for it in matchmaking. Short on
 # loopback and LAN, where a renewal costs milliseconds; hivemind's 60 s between continents.
+# state_download_min_mbit_s and state_download_stall_s: a state donor that sends nothing for the stall
+# time, or less than the minimum rate after a few seconds, is dropped for the next (nearest first:
+# geotrain.hive.donors); the last donor gets the state's bytes at that rate. Set well below what one
+# link of the profile carries (the thinnest intercontinental links of [EMJ24] Table 3 carry tens of Mbit/s).
 # fp16 gradient compression halves the traffic at no measurable loss of accuracy [EMJ24 used it
 # in every run]; it is the default everywhere.
 NETWORK_PROFILES: dict[str, dict[str, Any]] = {
@@ -76,6 +80,8 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
         "progress_refresh_s": 0.5,
         "grad_compression": "fp16",
         "delayed_parameter_updates": False,
+        "state_download_min_mbit_s": 20.0,
+        "state_download_stall_s": 10.0,
     },
     "lan": {
         "progress_expiration_s": 20.0,
@@ -85,6 +91,8 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
         "progress_refresh_s": 0.5,
         "grad_compression": "fp16",
         "delayed_parameter_updates": False,
+        "state_download_min_mbit_s": 20.0,
+        "state_download_stall_s": 10.0,
     },
     "continent": {
         "progress_expiration_s": 30.0,
@@ -94,6 +102,8 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
         "progress_refresh_s": 1.0,
         "grad_compression": "fp16",
         "delayed_parameter_updates": False,
+        "state_download_min_mbit_s": 5.0,
+        "state_download_stall_s": 15.0,
     },
     "intercontinental": {
         "progress_expiration_s": 60.0,
@@ -103,6 +113,8 @@ NETWORK_PROFILES: dict[str, dict[str, Any]] = {
         "progress_refresh_s": 3.0,
         "grad_compression": "fp16",
         "delayed_parameter_updates": True,
+        "state_download_min_mbit_s": 1.0,
+        "state_download_stall_s": 30.0,
     },
 }
 
@@ -282,7 +294,13 @@ class OptimizerConfig(_Strict):
     progress_expiration_s: float = Field(
         gt=0, description="How long a peer's progress record lives; a peer that died without a goodbye counts "
                           "for the others until then.")
-    load_state_timeout_s: float = Field(120.0, gt=0)
+    load_state_timeout_s: float = Field(
+        120.0, gt=0, description="Wait at least this long for a state download; longer when the state's bytes at "
+                                 "state_download_min_mbit_s need it.")
+    state_download_min_mbit_s: float = Field(
+        gt=0, description="A state donor still below this rate after 10 s is dropped for the next one; the last "
+                          "one gets the state's bytes at this rate.")
+    state_download_stall_s: float = Field(gt=0, description="A state donor that sends nothing this long is dropped.")
     average_state_every: int = Field(1, ge=1, description="Average parameters and optimizer state every N epochs.")
 
     @model_validator(mode="before")

@@ -173,7 +173,7 @@ class Trainer:
             if not stop.is_set() and config.training.max_epochs is not None:
                 _, agreed = agree_on_final_state(dht, optimizer, model, config.swarm.run_id, optimizer.local_epoch,
                                                  config.swarm.client_mode, config.training.final_agreement_timeout_s,
-                                                 guard_report=self.guard_report)
+                                                 guard_report=self.guard_report, region=config.metrics.region)
         finally:
             watcher.stop()
             try:
@@ -268,8 +268,10 @@ class Trainer:
         state_epoch = optimizer.state_averager.loaded_epoch
         if state_epoch is None:
             state_epoch = optimizer.local_epoch
+        donor, donor_region = self.guard_report.last_donor()
         self.events.write("state_loaded", peer_id=peer_id, epoch=optimizer.local_epoch, state_epoch=state_epoch,
-                          seconds=elapsed_s, params_sha256=parameters_sha256(model))
+                          seconds=elapsed_s, params_sha256=parameters_sha256(model), donor=donor,
+                          donor_region=donor_region)
         if state_epoch == optimizer.local_epoch:
             logger.info("loaded the state of epoch %d in %.1f s", state_epoch, elapsed_s)
         else:

@@ -5,10 +5,19 @@ difference to the average*, so after each round the peers agree to within roundi
 bit. A user who takes the model from any peer at the end expects one model. So when a run reaches
 ``max_epochs``, the trainers at the final epoch agree on one of them, the *finalizer* (the lowest
 peer id among the non-client peers at the highest epoch; a finalizer that has already said so is
-followed by peers that come later), and every other trainer downloads its exact state (parameters and optimizer statistics, uncompressed). That costs one state transfer per
-peer, once per run. Trainers stop sharing their own state first, and download from the finalizer alone
-(a banned peer that still offers its state is never asked). Every step is bounded by ``timeout_s``; a peer that can not agree in time keeps its
-own parameters and says so.
+followed by peers that come later), and every other trainer downloads its exact state (parameters and
+optimizer statistics, uncompressed). Trainers stop sharing their own state first.
+
+The final state spreads as a tree, not a star: a follower takes it from the finalizer or from any follower
+that already holds it, nearest first (geotrain.hive.donors), and then serves it too until every trainer
+has it. A region without a holder sends one follower across (the lowest peer id of its unsynced
+candidates); the others of that region wait for it, up to half the agreement time, and then take it
+from anywhere. So across continents each region's thin link carries the state about once, not once per
+trainer. A banned peer is never asked.
+
+Every step is bounded by ``timeout_s``, raised where the state's bytes at the profile's minimum download
+rate need more (two transfers in a row: into a region, then within it); a peer that can not agree in
+time keeps its own parameters and says so.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from geotrain.hive.state import parameters_sha256
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
+MAX_AGREEMENT_S = 1200.0
 
 
 def _final_records(dht, run_id: str) -> dict[str, dict]:
@@ -35,19 +45,20 @@ def _store(dht, run_id: str, peer_id: str, value: dict, timeout_s: float) -> Non
     dht.store(final_key(run_id), subkey=peer_id, value=value, expiration_time=get_dht_time() + 2 * timeout_s)
 
 
-def _serve_final_state(dht, run_id: str, peer_id: str, model, epoch: int, others: set[str], expected_peers: int,
-                       banned, deadline: float, timeout_s: float, settle_s: float) -> tuple[str, bool]:
-    """The finalizer: wait until every peer that finishes the run has taken this peer's state.
+def _holders(records: dict[str, dict], finalizer: str, sha256: str) -> set[str]:
+    """The finalizer and the followers that already took its state."""
+    return {finalizer} | {pid for pid, r in records.items() if r.get("role") == "synced" and r["sha256"] == sha256}
+
+
+def _wait_for_followers(dht, run_id: str, peer_id: str, sha256: str, epoch: int, others: set[str],
+                        expected_peers: int, banned, deadline: float, settle_deadline: float) -> bool:
+    """Serve the final state until every peer that finishes the run has taken it; whether they all did.
 
     Those are the candidates seen so far, any whose candidate record or last-epoch progress shows up while
-    it waits (records come late on a loaded machine), and for up to ``settle_s`` at least ``expected_peers - 1``
-    others: the trainers the swarm counted in its last epoch (one that left or died in it costs that wait).
+    it waits (records come late on a loaded machine), and until ``settle_deadline`` at least
+    ``expected_peers - 1`` others: the trainers the swarm counted in its last epoch (one that left or died in it
+    costs that wait).
     """
-    sha256 = parameters_sha256(model)
-    settle_deadline = time.monotonic() + settle_s
-    _store(dht, run_id, peer_id, {"role": "finalizer", "sha256": sha256, "epoch": epoch}, timeout_s)
-    logger.info("final state %s is this peer's; waiting for the %d other trainers of the last epoch to take it",
-                sha256[:16], max(len(others), expected_peers - 1))
     synced: set[str] = set()
     while time.monotonic() < deadline:
         excluded = banned()
@@ -56,17 +67,25 @@ def _serve_final_state(dht, run_id: str, peer_id: str, model, epoch: int, others
         others |= {pid for pid, r in records.items() if r.get("epoch", -1) >= epoch and r.get("role") == "candidate"}
         others |= {pid for pid, p in read_progress(dht, run_id).items() if p.epoch >= epoch - 1}
         others -= excluded | {peer_id}
-        enough = len(synced) >= expected_peers - 1 - len(excluded) or time.monotonic() > settle_deadline
+        enough = len(synced - {peer_id}) >= expected_peers - 1 - len(excluded) or time.monotonic() > settle_deadline
         if others <= synced and enough:
-            return sha256, True
+            return True
         time.sleep(POLL_S)
-    logger.warning("%d peers did not take the final state within %.0f s",
-                   max(len(others - synced), expected_peers - 1 - len(synced)), timeout_s)
-    return sha256, False
+    logger.warning("%d peers did not take the final state in time",
+                   max(len(others - synced), expected_peers - 1 - len(synced)))
+    return False
+
+
+def agreement_timeout_s(optimizer, timeout_s: float) -> float:
+    """``timeout_s``, or two state transfers at the minimum download rate when that is longer (at most
+    MAX_AGREEMENT_S: the agreement's records must not outlive the DHT's one-hour limit)."""
+    bound = getattr(optimizer.state_averager, "state_download_bound_s", None)
+    transfer_s = bound(donors=1) if bound is not None else 0.0
+    return min(MAX_AGREEMENT_S, max(timeout_s, 2 * transfer_s))
 
 
 def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_mode: bool,
-                         timeout_s: float, guard_report=None) -> tuple[str, bool]:
+                         timeout_s: float, guard_report=None, region: str | None = None) -> tuple[str, bool]:
     """Make this peer's parameters equal the finalizer's. Returns (parameters sha256, agreed).
 
     Only peers that take part say so (a ``candidate`` record under the run's final key), and only they can
@@ -74,10 +93,11 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
     its gradients were refused), is neither waited for nor downloaded from.
     """
     peer_id = str(dht.peer_id)
+    timeout_s = agreement_timeout_s(optimizer, timeout_s)
     expected_peers = optimizer.tracker.global_progress.num_peers  # trainers the swarm counted in the last epoch
     optimizer.state_averager.step(wait_for_delayed_updates=True)
     _store(dht, run_id, peer_id, {"role": "candidate", "sha256": parameters_sha256(model), "epoch": epoch,
-                                  "client_mode": client_mode}, timeout_s)
+                                  "client_mode": client_mode, "region": region}, timeout_s)
 
     def banned() -> set[str]:
         return guard_report.bans.active() if guard_report is not None else set()
@@ -124,31 +144,58 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
     finalizer = donors[0]
 
     if finalizer == peer_id:
-        return _serve_final_state(dht, run_id, peer_id, model, epoch, set(candidates) - {peer_id},
-                                  expected_peers, banned, deadline, timeout_s, settle_s)
+        sha256 = parameters_sha256(model)
+        _store(dht, run_id, peer_id, {"role": "finalizer", "sha256": sha256, "epoch": epoch, "region": region},
+               timeout_s)
+        logger.info("final state %s is this peer's; waiting for the %d other trainers of the last epoch to take it",
+                    sha256[:16], max(len(candidates) - 1, expected_peers - 1))
+        agreed = _wait_for_followers(dht, run_id, peer_id, sha256, epoch, set(candidates) - {peer_id},
+                                     expected_peers, banned, deadline, time.monotonic() + settle_s)
+        return sha256, agreed
 
-    for averager in (optimizer.state_averager, getattr(optimizer, "grad_averager", None)):
-        if averager is not None and not client_mode:
-            averager.allow_state_sharing = False  # downloads must come from the finalizer alone
+    sharing = [a for a in (optimizer.state_averager, getattr(optimizer, "grad_averager", None))
+               if a is not None and not client_mode]
+    for averager in sharing:
+        averager.allow_state_sharing = False  # no one may take this peer's state until it is the final one
+    # a region without a holder sends its lowest unsynced peer across; the others wait for it (for a while)
+    cross_after = time.monotonic() + (deadline - time.monotonic()) / 2
     while time.monotonic() < deadline:
-        target = _final_records(dht, run_id).get(finalizer)
+        records = _final_records(dht, run_id)
+        target = records.get(finalizer)
         if target is None:
             time.sleep(POLL_S)
+            continue
+        holders = _holders(records, finalizer, target["sha256"]) - banned() - {peer_id}
+        holders = {pid for pid in holders if not records.get(pid, {}).get("client_mode")}
+        regional = {pid for pid in holders if region is not None and records.get(pid, {}).get("region") == region}
+        unsynced_here = sorted(pid for pid, r in records.items() if r.get("role") == "candidate"
+                               and region is not None and r.get("region") == region and pid not in holders)
+        goes_across = not unsynced_here or unsynced_here[0] == peer_id
+        if not regional and not goes_across and time.monotonic() < cross_after:
+            time.sleep(POLL_S)  # a peer of this region is taking it across; take it from that peer
             continue
         try:
             remaining_s = max(1.0, deadline - time.monotonic())
             if guard_report is not None:
-                guard_report.set_only_donor(finalizer)
+                guard_report.set_allowed_donors(regional or holders)
             optimizer.state_averager.load_state_from_peers(timeout=remaining_s)
-        except Exception as error:  # the finalizer may be busy or gone; retry until the deadline
+        except Exception as error:  # a holder may be busy or gone; retry until the deadline
             logger.info("final state download failed (%s); retrying", error)
         finally:
             if guard_report is not None:
-                guard_report.set_only_donor(None)
+                guard_report.set_allowed_donors(None)
         sha256 = parameters_sha256(model)
         if sha256 == target["sha256"]:
-            _store(dht, run_id, peer_id, {"role": "synced", "sha256": sha256, "epoch": epoch}, timeout_s)
-            logger.info("took the final state %s from %s", sha256[:16], finalizer)
+            donor, donor_region = guard_report.last_donor() if guard_report is not None else (None, None)
+            logger.info("took the final state %s from %s (%s)", sha256[:16], donor or finalizer,
+                        donor_region or "region unknown")
+            for averager in sharing:
+                averager.allow_state_sharing = True  # now it is: serve it to the others of this region
+            _store(dht, run_id, peer_id, {"role": "synced", "sha256": sha256, "epoch": epoch, "region": region,
+                                          "client_mode": client_mode}, timeout_s)
+            if sharing:
+                _wait_for_followers(dht, run_id, peer_id, sha256, epoch, set(candidates) - {peer_id},
+                                    expected_peers, banned, deadline, time.monotonic() + settle_s)
             return sha256, True
         time.sleep(POLL_S)
     logger.warning("could not take the final state from %s within %.0f s; keeping own parameters",

@@ -24,7 +24,7 @@ reduces, next to the all-reduce's own), and the refused sender's round is lost f
 
 from __future__ import annotations
 
-import contextvars
+import asyncio
 import json
 import logging
 import math
@@ -36,8 +36,11 @@ from typing import AsyncIterator
 import torch
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.utils import ValueWithExpiration
 from hivemind.proto import averaging_pb2
+
+from geotrain.hive.donors import (PROBATION_S, PROBE_TIMEOUT_S, STATE_BYTES_KEY, DownloadProgress, donor_labels,
+                                  download_state, measure_donors, rank_donors)
+from geotrain.hive.metric_records import read_records
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +111,33 @@ class GuardReport:
         self.events_path = None if events_path is None else Path(events_path)
         self._counts = multiprocessing.Array("q", len(COUNTED), lock=True)
         self.bans = SharedBans()
-        self._only_donor = multiprocessing.Array("c", SharedBans.SLOT_BYTES, lock=True)
+        self._allowed_donors = multiprocessing.Array("c", self.ALLOWED_DONORS * SharedBans.SLOT_BYTES, lock=True)
+        self._last_donor = multiprocessing.Array("c", 2 * SharedBans.SLOT_BYTES + 1, lock=True)
+        self.downloads = DownloadProgress()
+
+    ALLOWED_DONORS = 64
+
+    def set_allowed_donors(self, peer_ids) -> None:
+        """Restrict this peer's state downloads to ``peer_ids`` (None or empty: any donor that is not banned);
+        the nearest of them is asked first (geotrain.hive.donors)."""
+        names = sorted(peer_ids or ())[:self.ALLOWED_DONORS]
+        self._allowed_donors.value = " ".join(names).encode()
 
     def set_only_donor(self, peer_id: str | None) -> None:
         """Restrict this peer's state downloads to ``peer_id`` (None: any donor that is not banned)."""
-        self._only_donor.value = (peer_id or "").encode()
+        self.set_allowed_donors([peer_id] if peer_id else None)
 
-    def only_donor(self) -> str | None:
-        return self._only_donor.value.decode() or None
+    def allowed_donors(self) -> set[str] | None:
+        names = self._allowed_donors.value.decode().split()
+        return set(names) if names else None
+
+    def note_donor(self, peer_id: str, region: str | None) -> None:
+        self._last_donor.value = f"{peer_id} {region or '-'}".encode()[:len(self._last_donor) - 1]
+
+    def last_donor(self) -> tuple[str | None, str | None]:
+        """(peer id, region) of the donor of this peer's last state download; (None, None) before one."""
+        peer_id, _, region = self._last_donor.value.decode().partition(" ")
+        return (peer_id or None, None if region in ("", "-") else region)
 
     def count(self, what: str, reason: str) -> None:
         index = COUNTED.index((what, reason))
@@ -182,6 +204,15 @@ class GuardedAveragerMixin:
     guard_report: GuardReport | None = None
     guard_config = None
     guard_max_weight = float("inf")
+    # where state downloads come from (geotrain.hive.donors): this peer's region and run (for the donors'
+    # records), the rate below which a donor is dropped, how long one may send nothing, and how many epochs
+    # a donor may be behind the newest and still count as current
+    donor_region: str | None = None
+    donor_run_id: str | None = None
+    donor_min_rate_bytes_s = 125_000.0
+    donor_stall_s = 15.0
+    donor_probation_s = PROBATION_S
+    donor_epoch_tolerance = 1
 
     _get_handle_name = classmethod(lambda cls, namespace, method_name: hivemind_handle_name(cls, namespace,
                                                                                            method_name))
@@ -290,23 +321,76 @@ class GuardedAveragerMixin:
         logger.warning("refused the gradients of %s (%s); it is left out of this peer's averaging for %.0f s",
                        sender, detail, self.guard_config.ban_s)
 
-    # --- state downloads: not from a banned peer, never a non-finite state, the agreement's one donor -----
-    @classmethod
-    def get_stub(cls, p2p, peer, *, namespace=None):
-        return _DonorNamingStub(super().get_stub(p2p, peer, namespace=namespace), peer)
+    # --- state downloads: the nearest donor first, never a banned one or a non-finite state -------------
+    def get_current_state(self):
+        """hivemind's state to serve, with its size in the metadata: the downloader's progress and bound."""
+        metadata, tensors, *rest = super().get_current_state()
+        if isinstance(metadata, dict):
+            metadata = {**metadata, STATE_BYTES_KEY: int(sum(t.numel() * t.element_size() for t in tensors))}
+        return (metadata, tensors, *rest)
+
+    def load_state_from_peers(self, *args, **kwargs):
+        """hivemind's download, waited for as long as the state's bytes take at the expected rate (the
+        averager's process drops stalled and slow donors: geotrain.hive.donors), not a fixed timeout."""
+        if kwargs.get("timeout") is not None:
+            kwargs["timeout"] = max(kwargs["timeout"], self.state_download_bound_s())
+        return super().load_state_from_peers(*args, **kwargs)
+
+    def state_download_bound_s(self, donors: int = 3) -> float:
+        """How long a download may take: this peer's state bytes at the minimum rate, plus, for each of a
+        few donors, a stall and a probation (the size is this peer's own state, an estimate of the donor's)."""
+        parameters = [t for t in self._averaged_tensors] if hasattr(self, "_averaged_tensors") else []
+        state_bytes = sum(t.numel() * t.element_size() for t in parameters) * 3  # parameters and Adam's two
+        return state_bytes / self.donor_min_rate_bytes_s + donors * (self.donor_stall_s + self.donor_probation_s) + \
+            PROBE_TIMEOUT_S
 
     async def _load_state_from_peers(self, future, timeout=None):
         future = _FiniteStateFuture(future, self)
-        report = self.guard_report
-        only, banned = (report.only_donor(), report.bans.active()) if report is not None else (None, set())
-        if only is None and not banned:
-            return await super()._load_state_from_peers(future, timeout)
-        dht = self.dht
-        self.dht = _DonorFilter(dht, f"{self._matchmaking.group_key_manager.prefix}.all_averagers", only, banned)
-        try:  # hivemind reads the donors once, at the start (hivemind/averaging/averager.py:684)
-            return await super()._load_state_from_peers(future, timeout)
+        try:
+            attempt = await self._download_from_nearest_donor()
+            if attempt is not None:
+                future.donor = attempt.donor.peer_id
+                future.set_result(attempt.state)
+        except Exception as error:
+            logger.exception("state download failed: %r", error)
         finally:
-            self.dht = dht
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_from_nearest_donor(self):
+        report = self.guard_report
+        allowed = report.allowed_donors() if report is not None else None
+        banned = report.bans.active() if report is not None else set()
+        loop = asyncio.get_running_loop()
+        donors_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        announced = await loop.run_in_executor(None, _announced_donors, self.dht, donors_key)
+        candidates = announced if allowed is None else {name: announced.get(name, 0.0) for name in allowed}
+        own = self.peer_id.to_base58()
+        candidates = {name: priority for name, priority in candidates.items() if name not in banned and name != own}
+        if not candidates:
+            logger.info("no peer offers its state%s", "" if allowed is None else f" among {sorted(allowed)}")
+            return None
+        labels = {}
+        if self.donor_run_id is not None:
+            records = await loop.run_in_executor(None, read_records, self.dht, self.donor_run_id)
+            labels = donor_labels(records)
+        donors = rank_donors(await measure_donors(candidates, labels), self.donor_region, self.donor_epoch_tolerance)
+        return await download_state(self, donors, stall_s=self.donor_stall_s,
+                                    min_rate_bytes_s=self.donor_min_rate_bytes_s, probation_s=self.donor_probation_s,
+                                    progress=None if report is None else report.downloads,
+                                    on_attempt=self._report_download_attempt)
+
+    def _report_download_attempt(self, attempt) -> None:
+        report = self.guard_report
+        if report is None:
+            return
+        donor = attempt.donor
+        if attempt.result == "ok":
+            report.note_donor(donor.peer_id, donor.region)
+        report.event("state_download", peer_id=self.peer_id.to_base58(), donor=donor.peer_id,
+                     donor_region=donor.region, donor_epoch=donor.epoch,
+                     rtt_ms=None if donor.rtt_s is None else round(1000 * donor.rtt_s, 1), result=attempt.result,
+                     bytes=attempt.received_bytes, seconds=round(attempt.seconds, 3))
 
     # --- not joining a group that a banned peer leads ---------------------------------------------------
     @property
@@ -330,45 +414,21 @@ class GuardedAveragerMixin:
         self.__dict__["_guarded_matchmaking"] = matchmaking
 
 
-class _DonorFilter:
-    """This averager's DHT handle, with the donors record read through a filter (only one, or none banned)."""
-
-    def __init__(self, dht, donors_key: str, only: str | None, banned: set[str]):
-        self._dht, self._donors_key, self._only, self._banned = dht, donors_key, only, banned
-
-    def __getattr__(self, name):
-        return getattr(self._dht, name)
-
-    def get(self, key, *args, **kwargs):
-        found = self._dht.get(key, *args, **kwargs)
-        if key != self._donors_key or found is None or not isinstance(found.value, dict):
-            return found
-        kept = {}
-        for subkey, entry in found.value.items():
-            try:
-                name = PeerID(subkey).to_base58()
-            except Exception:
-                continue
-            if (self._only is None or name == self._only) and name not in self._banned:
-                kept[subkey] = entry
-        return ValueWithExpiration(kept, found.expiration_time)
-
-
-_downloading_from: contextvars.ContextVar = contextvars.ContextVar("downloading_from", default=None)
-
-
-class _DonorNamingStub:
-    """An averager's stub to another peer that notes, for the download running in this task, whom it asks."""
-
-    def __init__(self, stub, peer):
-        self._stub, self._peer = stub, peer
-
-    def __getattr__(self, name):
-        return getattr(self._stub, name)
-
-    async def rpc_download_state(self, *args, **kwargs):
-        _downloading_from.set(self._peer)  # hivemind's download loop sets its result in this same task
-        return await self._stub.rpc_download_state(*args, **kwargs)
+def _announced_donors(dht, donors_key: str) -> dict[str, float]:
+    """peer id -> priority from hivemind's donor record (its subkeys are peer ids, its values numbers)."""
+    found = dht.get(donors_key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    donors = {}
+    for subkey, entry in found.value.items():
+        try:
+            name = PeerID(subkey).to_base58()
+        except Exception:
+            continue
+        value = getattr(entry, "value", None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            donors[name] = float(value)
+    return donors
 
 
 class _FiniteStateFuture:
@@ -381,11 +441,13 @@ class _FiniteStateFuture:
     def __getattr__(self, name):
         return getattr(self._future, name)
 
+    donor: str | None = None  # the peer id the state came from
+
     def set_result(self, result) -> None:
         if result is not None and not all(bool(torch.isfinite(t).all()) for t in result[1] if t.is_floating_point()):
-            donor = _downloading_from.get()
+            donor = None if self.donor is None else PeerID.from_base58(self.donor)
             averager = self._averager
-            name = donor.to_base58() if donor is not None else "an unknown donor"
+            name = self.donor or "an unknown donor"
             logger.warning("refused the state downloaded from %s: it holds non-finite values; that peer is left "
                            "out for %.0f s", name, averager.guard_config.ban_s)
             if donor is not None:

@@ -241,9 +241,15 @@ def guarded(averager_class: type, admission: Admission, report: GuardReport, con
         config.optimizer.batch_size_per_step
     if issubclass(averager_class, OuterStateAverager):
         max_weight = 1.0  # every member of a DiLoCo round sends its pseudo-gradient at hivemind's weight of 1
+    opt = config.optimizer
     return type(f"Guarded{averager_class.__name__}", (GuardedAveragerMixin, averager_class),
                 {"guard_admission": admission, "guard_report": report, "guard_config": config.guard,
-                 "guard_max_weight": float(max_weight)})
+                 "guard_max_weight": float(max_weight),
+                 "donor_region": config.metrics.region, "donor_run_id": config.swarm.run_id,
+                 "donor_min_rate_bytes_s": opt.state_download_min_mbit_s * 1e6 / 8,
+                 "donor_stall_s": opt.state_download_stall_s,
+                 # a DiLoCo state one round old is a different model (sync mode: hivemind's catch-up covers one)
+                 "donor_epoch_tolerance": 0 if opt.mode == "diloco" else 1})
 
 
 def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module, on_averaging_round=None,

@@ -15,7 +15,7 @@ import errno
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                start_http_server)
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from geotrain.config import MetricsConfig
 from geotrain.errors import UserError
@@ -151,6 +151,7 @@ class PeerMetrics(_Metrics):
         """Export the guard's refusals (:class:`geotrain.hive.guard.GuardReport`), counted in every process of
         this peer, as ``geotrain_guard_refusals_total{what,reason}``."""
         self.registry.register(_GuardCollector(report, self._labels))
+        self.registry.register(_DownloadCollector(report.downloads, self._labels))
 
     def set_compute(self, device: str, precision: str) -> None:
         """Which device and precision this peer trains with (one series, value 1)."""
@@ -180,6 +181,43 @@ class _GuardCollector:
         for (what, reason), count in self.report.counts().items():
             family.add_metric([*self.labels.values(), what, reason], count)
         yield family
+
+
+class _DownloadCollector:
+    """State downloads of this peer (geotrain.hive.donors.DownloadProgress, written by its averagers)."""
+
+    def __init__(self, progress, labels: dict[str, str]):
+        self.progress = progress
+        self.labels = labels
+
+    def describe(self):
+        return list(self._families())
+
+    def _families(self, snapshot: dict | None = None):
+        names = list(self.labels)
+        values = list(self.labels.values())
+        attempts = CounterMetricFamily("geotrain_state_download_attempts", "State downloads this peer tried, by "
+                                       "result (ok; stalled, slow, failed: the next donor was asked; empty: the "
+                                       "donor did not share)", labels=[*names, "result"])
+        received = CounterMetricFamily("geotrain_state_download_received_bytes", "State bytes this peer received "
+                                       "from donors, every attempt", labels=names)
+        progress = GaugeMetricFamily("geotrain_state_download_progress_bytes", "The download in progress: bytes "
+                                     "received (0 when none runs)", labels=names)
+        expected = GaugeMetricFamily("geotrain_state_download_expected_bytes", "The download in progress: the "
+                                     "state's size as its donor says (0 when none runs)", labels=names)
+        rate = GaugeMetricFamily("geotrain_state_download_rate_bytes_per_second", "The download in progress: "
+                                 "bytes per second so far (0 when none runs)", labels=names)
+        if snapshot is not None:
+            for result, count in snapshot["attempts"].items():
+                attempts.add_metric([*values, result], count)
+            received.add_metric(values, snapshot["bytes_total"])
+            progress.add_metric(values, snapshot["received_bytes"])
+            expected.add_metric(values, snapshot["expected_bytes"])
+            rate.add_metric(values, snapshot["bytes_per_second"])
+        return attempts, received, progress, expected, rate
+
+    def collect(self):
+        yield from self._families(self.progress.snapshot())
 
 
 class SwarmMetrics(_Metrics):

@@ -1,0 +1,118 @@
+"""State transfers across an emulated slow link go to the nearest donor (needs root).
+
+Region ``west`` holds the coordinator and one trainer, region ``east`` one trainer from the start and one
+that joins late; the two regions are 60 ms apart at 20 Mbit/s. hivemind alone would have the late joiner
+download from the coordinator (it announces the highest priority) across the link; geotrain's donor
+choice (geotrain/hive/donors.py) takes it from the trainer in its own region. At the end of the run the
+trainers agree on one final state, which crosses the link into a region at most once (a tree, not a star:
+geotrain/hive/finalize.py). Every peer is started with the geotrain CLI through `geotrain lab run`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import needs_lab
+from geotrain.events import read_events
+
+pytestmark = needs_lab
+
+EPOCHS = 8
+JOIN_AT_EPOCH = 2
+TOPOLOGY = """
+name: slow-link
+regions: {west: {peers: 1}, east: {peers: 2}}
+links:
+  west-east: {latency_ms: 30, bandwidth_mbit_s: 20}
+"""
+ADDRESSES = {"west": "10.77.1.2", "east": "10.77.2.2"}
+TRAINING = ["--task", "emulated", "--preset", "tiny", "--target-batch-size", "2048", "--batch-size", "32",
+            "--network-profile", "continent", "--run-id", "lab-transfer", "--lr", "0.1"]
+
+
+def _spawn(lab: str, region: str, log_path, *arguments: str) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "geotrain", "lab", "run", "--lab", lab, region, "--",
+                                 sys.executable, "-m", "geotrain", *arguments], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _events(path, name: str) -> list[dict]:
+    return [e for e in read_events(path) if e["event"] == name] if path.exists() else []
+
+
+def test_a_late_joiner_and_the_final_state_come_from_the_nearest_donor(make_lab, tmp_path):
+    lab = make_lab("gtlabtxfer")
+    lab.up(TOPOLOGY)
+    processes = []
+    try:
+        peers_file = tmp_path / "initial_peers.txt"
+        processes.append(_spawn(lab.name, "west", tmp_path / "coordinator.log", "coordinator", "--host",
+                                ADDRESSES["west"], "--port", "0", "--no-state", "--state-dir", str(tmp_path / "coord"),
+                                "--initial-peers-file", str(peers_file), "--region", "west", *TRAINING))
+        _wait_for(peers_file.exists, 90, "the coordinator's address")
+        initial_peers = [a for a in peers_file.read_text().split() if ADDRESSES["west"] in a]
+        trainers = {"west": "west", "east": "east", "late": "east"}
+        events = {name: tmp_path / f"{name}.jsonl" for name in trainers}
+
+        def start(name: str, wait_for_peers: int) -> None:
+            region = trainers[name]
+            arguments = ["peer", "--host", ADDRESSES[region], "--port", "0", "--events", str(events[name]),
+                         "--region", region, "--set", "metrics.publish_interval_s=1", "--preemption", "none",
+                         "--data-seed", str(len(processes)), "--threads", "1", "--wait-for-peers",
+                         str(wait_for_peers), "--max-epochs", str(EPOCHS), *TRAINING]
+            for address in initial_peers:
+                arguments += ["--initial-peers", address]
+            processes.append(_spawn(lab.name, region, tmp_path / f"{name}.log", *arguments))
+
+        start("west", 2)
+        start("east", 2)
+        _wait_for(lambda: any(e["epoch"] >= JOIN_AT_EPOCH for e in _events(events["east"], "epoch")), 150,
+                  f"epoch {JOIN_AT_EPOCH}")
+        start("late", 1)
+        for process in processes[1:]:
+            process.wait(timeout=240)
+        logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace")[-3000:] for name in trainers}
+        assert [p.returncode for p in processes[1:]] == [0, 0, 0], logs
+
+        peer_ids = {name: _events(events[name], "joined")[0]["peer_id"] for name in trainers}
+        # the late joiner took the state from the trainer of its own region, not across the link
+        loaded = _events(events["late"], "state_loaded")
+        assert loaded, f"the late joiner loaded no state: {logs['late']}"
+        assert (loaded[0]["donor"], loaded[0]["donor_region"]) == (peer_ids["east"], "east"), loaded[0]
+        assert loaded[0]["state_epoch"] >= JOIN_AT_EPOCH
+
+        # one final state on every trainer, and it crossed the link at most once into each region
+        finished = {name: _events(events[name], "finished")[0] for name in trainers}
+        assert len({f["params_sha256"] for f in finished.values()}) == 1, finished
+        assert all(f["epoch"] == EPOCHS for f in finished.values()), finished
+        crossings = {region: 0 for region in ADDRESSES}
+        for name, region in trainers.items():
+            last_epoch_s = max(e["time"] for e in _events(events[name], "epoch"))
+            final = [e for e in _events(events[name], "state_download")
+                     if e["result"] == "ok" and e["time"] > last_epoch_s]
+            crossings[region] += sum(e["donor_region"] != region for e in final)
+        assert all(count <= 1 for count in crossings.values()), f"final state transfers across the link: {crossings}"
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()

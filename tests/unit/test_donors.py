@@ -1,0 +1,205 @@
+"""Donor choice for state downloads (geotrain.hive.donors): the order, the probes, and the watch.
+
+The watch runs on real hivemind averagers in processes of their own (one DHT node on loopback): a donor
+that sends nothing, and one that trickles, are dropped for the next, and the state comes from that one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from typing import AsyncIterator
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+
+from geotrain.config import GuardConfig, load_config
+from geotrain.hive.donors import Donor, donor_labels, probe_rtt_s, rank_donors
+from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
+from geotrain.hive.metric_records import MetricRecord, PeerRecord
+
+
+# --- the order ---------------------------------------------------------------------------------------------
+def _ids(donors):
+    return [d.peer_id for d in donors]
+
+
+def test_same_region_first_then_round_trip_then_priority():
+    donors = [Donor("far-fast", 7, "eu", 0.080), Donor("far-slow", 7, "us", 0.300), Donor("near", 7, "aus", 0.002),
+              Donor("unknown", 7)]
+    assert _ids(rank_donors(donors, "aus")) == ["near", "far-fast", "far-slow", "unknown"]
+
+
+def test_the_coordinator_wins_a_tie_only():
+    coordinator, trainer = Donor("coordinator", 7.5, "us", 0.010), Donor("trainer", 7, "us", 0.010)
+    assert _ids(rank_donors([trainer, coordinator], "us")) == ["coordinator", "trainer"]
+    near_trainer = Donor("near-trainer", 7, "aus", 0.001)
+    assert _ids(rank_donors([coordinator, near_trainer], "aus")) == ["near-trainer", "coordinator"]
+
+
+def test_a_stale_donor_comes_after_every_current_one_however_near():
+    donors = [Donor("near-stale", 5, "aus", 0.001), Donor("far-current", 8, "us", 0.300),
+              Donor("near-one-behind", 7, "aus", 0.001), Donor("older", 3, "aus", 0.001)]
+    # sync mode: one epoch behind is current (hivemind moves such a peer up to the swarm's epoch)
+    assert _ids(rank_donors(donors, "aus", epoch_tolerance=1)) == ["near-one-behind", "far-current", "near-stale",
+                                                                   "older"]
+    # DiLoCo: one round behind is another model
+    assert _ids(rank_donors(donors, "aus", epoch_tolerance=0))[0] == "far-current"
+
+
+def _record(peer_id: str, region: str, address: str) -> PeerRecord:
+    record = MetricRecord(peer_id=peer_id, role="trainer", region=region, cloud="lab", instance_type="vm",
+                          time=1.0, epoch=1, samples_total=0, samples_per_second=0.0, granularity=None,
+                          compute_seconds_total=0.0, communication_seconds_total=0.0, sent_bytes_by_region={},
+                          received_bytes_total=0, addresses=[address])
+    return PeerRecord(owner=f"owner-{peer_id}-{region}", record=record, expiration_time=0.0)
+
+
+def test_records_that_disagree_on_a_peer_leave_it_unlabelled():
+    records = {"1": _record("honest", "aus", "10.77.4.2:4000"), "2": _record("victim", "us", "10.77.1.2:4000"),
+               "3": _record("victim", "aus", "127.0.0.1:5000")}  # a spoofer claims the victim is near
+    labels = donor_labels({key: value for key, value in records.items()})
+    assert labels == {"honest": ("aus", ["10.77.4.2:4000"])}
+
+
+def test_a_round_trip_is_one_tcp_handshake_and_nothing_else_is_dialled():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    free_port = free.getsockname()[1]
+    free.close()  # a free loopback port: nothing listens there
+    try:
+        rtt = asyncio.run(probe_rtt_s([f"127.0.0.1:{listener.getsockname()[1]}"]))
+        assert rtt is not None and 0 <= rtt < 1.0
+        assert asyncio.run(probe_rtt_s([f"127.0.0.1:{free_port}"])) is None
+        assert asyncio.run(probe_rtt_s(["localhost:80", "not an address", "127.0.0.1:0"])) is None  # no names resolved
+    finally:
+        listener.close()
+
+
+def test_download_rate_and_stall_come_from_the_network_profile():
+    far = load_config(set_args=["optimizer.network_profile=intercontinental"]).optimizer
+    near = load_config(set_args=["optimizer.network_profile=lan"]).optimizer
+    assert far.state_download_min_mbit_s < near.state_download_min_mbit_s
+    assert far.state_download_stall_s > near.state_download_stall_s
+    tuned = load_config(set_args=["optimizer.network_profile=intercontinental",
+                                  "optimizer.state_download_min_mbit_s=3"]).optimizer
+    assert tuned.state_download_min_mbit_s == 3
+
+
+# --- the watch, on real averagers ---------------------------------------------------------------------------
+CHUNK = 2**16
+
+
+class StallingDonor(DecentralizedAverager):
+    """Announces its state and then sends nothing."""
+
+    _get_handle_name = classmethod(hivemind_handle_name)
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        await asyncio.sleep(3600)
+        yield averaging_pb2.DownloadData()
+
+
+class TricklingDonor(DecentralizedAverager):
+    """Sends its state in small pieces, slowly: well under any useful rate."""
+
+    _get_handle_name = classmethod(hivemind_handle_name)
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in super().rpc_download_state(request, context):
+            await asyncio.sleep(0.5)
+            yield message
+
+
+class GoodDonor(GuardedAveragerMixin, DecentralizedAverager):
+    guard_config = GuardConfig()
+
+
+class Downloader(GuardedAveragerMixin, DecentralizedAverager):
+    guard_config = GuardConfig()
+    donor_stall_s = 2.0
+    donor_probation_s = 1.5
+    donor_min_rate_bytes_s = 1e6  # a tricker of 64 KiB per 0.5 s is far below
+
+
+class Swarm:
+    """One DHT node (and peer) per averager, all on loopback; everything is shut down at the end."""
+
+    def __init__(self):
+        self.first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        self.nodes = [self.first]
+        self.averagers = []
+
+    def averager(self, cls, value: float, priority: float, **kwargs):
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                           initial_peers=[str(a) for a in self.first.get_visible_maddrs()])
+        self.nodes.append(dht)
+        averager = cls([torch.full((4 * CHUNK,), value)], dht=dht, prefix="donors", start=True, **kwargs)
+        averager.state_sharing_priority = priority
+        self.averagers.append(averager)
+        return averager
+
+    def shutdown(self):
+        for averager in self.averagers:
+            averager.shutdown()
+        for node in self.nodes:
+            node.shutdown()
+
+
+def _wait_for_donors(dht, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = dht.get("donors.all_averagers", latest=True)
+        if found is not None and len([v for v in found.value.values() if v.value is not None]) >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the donors did not announce themselves")
+
+
+@pytest.mark.parametrize("bad_donor, dropped_as", [(StallingDonor, "stalled"), (TricklingDonor, "slow")])
+def test_a_stalled_or_slow_donor_is_dropped_for_the_next(bad_donor, dropped_as):
+    swarm = Swarm()
+    report = GuardReport(None)
+    downloader_class = type("TestDownloader", (Downloader,), {"guard_report": report})
+    try:
+        # the bad donor announces the higher priority: hivemind's order would ask it first, and so does ours
+        swarm.averager(bad_donor, 2.0, priority=9.0)
+        good = swarm.averager(GoodDonor, 3.0, priority=8.0)
+        downloader = swarm.averager(downloader_class, 0.0, priority=0.0, allow_state_sharing=False)
+        _wait_for_donors(swarm.first, 2)
+        metadata, tensors = downloader.load_state_from_peers(timeout=60)
+        assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 3.0)), "the state did not come from the good donor"
+        attempts = report.downloads.snapshot()["attempts"]
+        assert attempts[dropped_as] == 1 and attempts["ok"] == 1, attempts
+        assert report.last_donor()[0] == good.peer_id.to_base58()
+        assert metadata["geotrain_state_bytes"] == 4 * 4 * CHUNK  # a geotrain donor says its state's size
+    finally:
+        swarm.shutdown()
+
+
+def test_only_the_allowed_donors_are_asked():
+    swarm = Swarm()
+    report = GuardReport(None)
+    downloader_class = type("TestDownloader", (Downloader,), {"guard_report": report})
+    try:
+        swarm.averager(GoodDonor, 5.0, priority=9.0)
+        allowed = swarm.averager(GoodDonor, 6.0, priority=1.0)
+        downloader = swarm.averager(downloader_class, 0.0, priority=0.0, allow_state_sharing=False)
+        _wait_for_donors(swarm.first, 2)
+        report.set_allowed_donors({allowed.peer_id.to_base58()})
+        _, tensors = downloader.load_state_from_peers(timeout=60)
+        assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 6.0))
+        report.bans.ban(allowed.peer_id.to_base58(), 600)  # a banned donor is never asked, even when allowed
+        assert downloader.load_state_from_peers(timeout=60) is None
+    finally:
+        swarm.shutdown()
