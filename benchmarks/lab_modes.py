@@ -6,7 +6,7 @@
 [EMJ24]'s NLP model (RoBERTa-XLM, profile ``roberta_xlm``: 208.8 samples/s per T4, target batch 32K) emulated
 at setups A-4 (one zone) and C-4 (four continents): the largest of the study's setups this 2-core machine holds
 (8 trainers do not fit; the study's A-8/C-8 figures are for 8). Every run has the same time scale (8: target
-batch 4,096, model / 80, bandwidths / 10, latencies as in the study). Configurations:
+batch 4,096, model / 80, bandwidths / 10, latencies and the network profile's durations / 8). Configurations:
 
 - ``study``: sync mode, fp16, delayed parameter updates (``--overlap``), the network profile the setup's
   RTT calls for, as [EMJ24] ran it;

@@ -14,12 +14,20 @@ a study of 200M-parameter models on 2 CPU cores and a few minutes:
 
 - ``--bandwidth-scale K`` divides every link's bandwidth and the model size by K: transfers take as
   long as in the study, but the relay and hivemind move K times fewer bytes.
-- ``--time-scale J`` divides the target batch size and the model size by J: a round's compute and its
-  transfers both take J times less, so their ratio (the granularity) stays; latency and hivemind's
-  fixed costs per round do not shrink, which the report's planner prediction accounts for.
+- ``--time-scale J`` divides every duration by J: the target batch size and the model size (a round's
+  compute and its transfers), the links' latencies, and the network profile's matchmaking time, request,
+  averaging and state-download timeouts and progress periods. A round then takes J times less and its
+  parts keep their ratios, so efficiency is what the unscaled study would give; what does not shrink is
+  hivemind's CPU work per round on this machine's 2 cores, which the report measures (below).
+
+The lab's own overhead is measured in the same run: each trainer's achieved compute rate (samples over
+the seconds its micro-steps took) against the emulated GPU's. The emulated steps cost real CPU (gradients
+of the model's size) on a machine that also runs every peer's hivemind, so they reach less than the sleep
+alone would; the efficiency relative to that achieved rate is the swarm's, not the machine's.
 
 Reported: swarm samples/s over the measured epochs (the first ``--warmup-epochs`` excluded), per-peer
-efficiency (swarm samples/s over N x one emulated GPU's samples/s), granularity (compute over
+efficiency (swarm samples/s over N x one emulated GPU's samples/s) and the same relative to the lab's
+achieved compute rate, granularity (compute over
 communication time), averaging time per round next to the bandwidth bound 2·M·(N-1)/(N·B) of the
 slowest link, and the planner's prediction (geotrain.planner.model.evaluate) for the same scaled setup
 and for the unscaled [EMJ24] setup.
@@ -33,11 +41,13 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from geotrain.config import NETWORK_PROFILES
 from geotrain.events import read_events
 from geotrain.lab import network
 from geotrain.lab.topology import Link, Topology, load_topology, shipped_topologies
@@ -68,7 +78,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth-scale", type=int, default=10, metavar="K",
                         help="divide link bandwidths and the model size by K (default: %(default)s)")
     parser.add_argument("--time-scale", type=int, default=8, metavar="J",
-                        help="divide the target batch size and the model size by J (default: %(default)s)")
+                        help="divide every duration by J: target batch and model size, latencies, the network "
+                             "profile's matchmaking time, timeouts and periods (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per micro-step (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=4, help="epochs to train (default: %(default)s)")
     parser.add_argument("--warmup-epochs", type=int, default=1,
@@ -133,6 +144,29 @@ def scale_bandwidth(topology: Topology, scale: int) -> Topology:
                                within_region=scaled(topology.within_region))
 
 
+def scale_latency(topology: Topology, scale: int) -> Topology:
+    def scaled(link: Link | None) -> Link | None:
+        return None if link is None else Link(link.latency_ms / scale, link.bandwidth_mbit_s)
+
+    return dataclasses.replace(topology, links={pair: scaled(link) for pair, link in topology.links.items()},
+                               within_region=scaled(topology.within_region))
+
+
+# the network profile's durations that --time-scale divides (geotrain.config.NETWORK_PROFILES)
+SCALED_DURATIONS = ("matchmaking_time_s", "request_timeout_s", "averaging_timeout_s", "progress_refresh_s",
+                    "progress_expiration_s", "state_download_stall_s")
+
+
+def scaled_durations(network_profile: str, time_scale: int, matchmaking_time_s: float | None) -> dict[str, float]:
+    """optimizer.* settings: the profile's durations divided by the time scale (an explicit matchmaking time
+    is taken as given)."""
+    profile = NETWORK_PROFILES[network_profile]
+    durations = {key: profile[key] / time_scale for key in SCALED_DURATIONS}
+    if matchmaking_time_s is not None:
+        durations["matchmaking_time_s"] = matchmaking_time_s
+    return durations
+
+
 def default_network_profile(topology: Topology) -> str:
     rtt_ms = max((link.rtt_ms for _, _, link in topology.used_links()), default=0.0)
     if rtt_ms < 2:
@@ -163,7 +197,8 @@ def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
     divisor = args.bandwidth_scale * args.time_scale
     target_batch_size = max(args.batch_size, profile.target_batch_size // args.time_scale)
     return BenchPlan(
-        setup=args.setup, topology=scale_bandwidth(full, args.bandwidth_scale), full_topology=full, profile=profile,
+        setup=args.setup, topology=scale_latency(scale_bandwidth(full, args.bandwidth_scale), args.time_scale),
+        full_topology=full, profile=profile,
         gpu=gpu, samples_per_second_per_gpu=profile.samples_per_second[gpu], bandwidth_scale=args.bandwidth_scale,
         time_scale=args.time_scale, parameters=max(1, profile.parameters // divisor),
         target_batch_size=target_batch_size, batch_size=args.batch_size, epochs=args.epochs,
@@ -234,10 +269,14 @@ class LabSwarm:
                      "--batch-size", str(plan.batch_size), "--network-profile", plan.network_profile,
                      "--run-id", "bench", "--delayed-parameter-updates" if plan.overlap else
                      "--no-delayed-parameter-updates"]
-        if plan.matchmaking_time_s is not None:
-            arguments += ["--matchmaking-time", str(plan.matchmaking_time_s)]
+        durations = scaled_durations(plan.network_profile, plan.time_scale, plan.matchmaking_time_s)
+        for key, value in durations.items():
+            arguments += ["--set", f"optimizer.{key}={value:g}"]
         if plan.mode == "diloco":
-            arguments += ["--mode", "diloco", "--inner-steps", str(plan.inner_steps)]
+            # a round's matchmaking (twice the profile's, at least 5 s: geotrain.config.DiLoCoConfig) scales too
+            round_matchmaking_s = max(5.0, 2 * NETWORK_PROFILES[plan.network_profile]["matchmaking_time_s"])
+            arguments += ["--set", f"optimizer.diloco.matchmaking_time_s={round_matchmaking_s / plan.time_scale:g}",
+                          "--mode", "diloco", "--inner-steps", str(plan.inner_steps)]
         return arguments
 
     def start(self, state: dict) -> list[Path]:
@@ -304,9 +343,16 @@ def measure(plan: BenchPlan, events_paths: list[Path]) -> dict:
     compute_s = sum(e["compute_s"] for e in window) / (rounds * len(events_paths))
     comm_s = sum(e["comm_s"] for e in window) / (rounds * len(events_paths))
     swarm = samples / wall_s
+    per_peer_efficiency = swarm / (plan.peers * plan.samples_per_second_per_gpu)
+    # the lab's own overhead: what the emulated micro-steps achieved on this machine, against the GPU they emulate
+    compute_total_s = sum(e["compute_s"] for e in window)
+    lab_compute_efficiency = (samples / compute_total_s / plan.samples_per_second_per_gpu
+                              if compute_total_s > 0 else None)
     result.update({
         "wall_s": wall_s, "samples": samples, "swarm_samples_per_second": swarm,
-        "per_peer_efficiency": swarm / (plan.peers * plan.samples_per_second_per_gpu),
+        "per_peer_efficiency": per_peer_efficiency,
+        "lab_compute_efficiency": lab_compute_efficiency,
+        "efficiency_vs_lab": per_peer_efficiency / lab_compute_efficiency if lab_compute_efficiency else None,
         "round_s": wall_s / rounds, "compute_s_per_round": compute_s, "comm_s_per_round": comm_s,
         "granularity": compute_s / comm_s if comm_s > 0 else None,
         "loss_first": _mean([e["loss"] for peer in epochs for e in peer if e["epoch"] == 1]),
@@ -330,6 +376,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
           f"emulated {plan.preset} ({plan.parameters:,} parameters, {plan.samples_per_second_per_gpu:g} samples/s "
           f"per {plan.gpu}); target batch {plan.target_batch_size}; bandwidth / {plan.bandwidth_scale}, model / "
           f"{plan.bandwidth_scale * plan.time_scale}; logs in {run_dir}", flush=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that the finally below takes the lab down
     network.up(plan.topology, args.lab)
     swarm = LabSwarm(plan, args.lab, run_dir)
     started = time.time()
@@ -353,6 +400,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
     return 0 if completed and measured.get("swarm_samples_per_second") else 1
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def report(plan: BenchPlan, measured: dict, completed: bool, run_dir: Path, elapsed_s: float) -> dict:
     bound_s, bound_link = bandwidth_bound_s(plan.parameters, plan.peers, plan.topology)
     return {
@@ -368,8 +419,9 @@ def report(plan: BenchPlan, measured: dict, completed: bool, run_dir: Path, elap
             "bandwidth_scale": plan.bandwidth_scale,
             "time_scale": plan.time_scale,
             "note": (f"compute emulated: each micro-step sleeps batch / {plan.samples_per_second_per_gpu:g} s (the "
-                     f"profile's {plan.gpu}); bandwidths divided by {plan.bandwidth_scale}, target batch by "
-                     f"{plan.time_scale}, model by {plan.bandwidth_scale * plan.time_scale}; latencies as in the study"),
+                     f"profile's {plan.gpu}); bandwidths divided by {plan.bandwidth_scale}; target batch, latencies "
+                     f"and the network profile's durations by {plan.time_scale}; model by "
+                     f"{plan.bandwidth_scale * plan.time_scale}"),
         },
         "target_batch_size": plan.target_batch_size,
         "batch_size": plan.batch_size,
@@ -409,6 +461,8 @@ def format_report(result: dict) -> str:
         f"{'swarm samples/s':<28} {number(m['swarm_samples_per_second']):>10} {number(p['samples_per_second']):>10}",
         f"{'per-peer efficiency':<28} {number(m['per_peer_efficiency'], 2):>10} "
         f"{number(p['samples_per_second'] / (result['peers'] * result['emulated']['samples_per_second_per_gpu']), 2):>10}",
+        f"{'lab compute rate / emulated':<28} {number(m.get('lab_compute_efficiency'), 2):>10} {'':>10}",
+        f"{'efficiency vs lab compute':<28} {number(m.get('efficiency_vs_lab'), 2):>10} {'':>10}",
         f"{'granularity':<28} {number(m['granularity'], 2):>10} {number(p['granularity'], 2):>10}",
         f"{'compute s per round':<28} {number(m['compute_s_per_round']):>10} {number(p['compute_s_per_round']):>10}",
         f"{'averaging s per round':<28} {number(m['comm_s_per_round']):>10} {number(p['comm_s_per_round']):>10}",

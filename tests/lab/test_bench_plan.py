@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from geotrain.config import load_config
 from geotrain.lab.bench import (BenchError, LabSwarm, add_bench_arguments, bandwidth_bound_s, plan_benchmark,
                                 planner_prediction)
 
@@ -23,7 +24,7 @@ def test_c4_scales_model_bandwidth_and_batch_together():
     assert plan.parameters == 197_800_000 // 80
     assert plan.target_batch_size == 32768 // 8
     assert plan.topology.link("eu", "aus").bandwidth_mbit_s == pytest.approx(7.0)  # [EMJ24] 70 Mbit/s / 10
-    assert plan.topology.link("eu", "aus").latency_ms == plan.full_topology.link("eu", "aus").latency_ms
+    assert plan.topology.link("eu", "aus").latency_ms == pytest.approx(plan.full_topology.link("eu", "aus").latency_ms / 8)
     assert plan.network_profile == "intercontinental"
     assert plan.preset == "convnext_large@T4/80"
 
@@ -67,3 +68,20 @@ def test_diloco_trainers_get_the_mode_and_the_planner_predicts_it():
                                 plan.profile.target_batch_size, False, "diloco", 500, plan.batch_size)
     # one round's communication, amortised over H x b x N = 64,000 samples instead of the target batch's 32,768
     assert diloco["samples_per_second"] > sync["samples_per_second"]
+
+
+def test_the_time_scale_divides_the_network_profiles_durations_too():
+    plan = _plan("--setup", "C-4", "--time-scale", "8")
+    arguments = LabSwarm(plan, "lab", Path("/nonexistent")).training_arguments()
+    settings = dict(a.split("=", 1) for a in arguments[arguments.index("--set") + 1::2] if "=" in a)
+    assert plan.network_profile == "intercontinental"
+    assert float(settings["optimizer.matchmaking_time_s"]) == pytest.approx(20.0 / 8)
+    assert float(settings["optimizer.request_timeout_s"]) == pytest.approx(5.0 / 8)
+    assert float(settings["optimizer.averaging_timeout_s"]) == pytest.approx(600.0 / 8)
+    assert float(settings["optimizer.state_download_stall_s"]) == pytest.approx(30.0 / 8)
+    unscaled = _plan("--setup", "C-4", "--time-scale", "1")
+    assert unscaled.topology.link("eu", "aus").latency_ms == unscaled.full_topology.link("eu", "aus").latency_ms
+    # what the trainers get is a valid config (the request timeout stays below the matchmaking time)
+    config = load_config(set_args=[a for a in arguments if "=" in a and a.startswith("optimizer.")] +
+                         ["optimizer.network_profile=intercontinental"])
+    assert config.optimizer.matchmaking_time_s == pytest.approx(2.5)
