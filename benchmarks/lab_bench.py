@@ -22,8 +22,8 @@ from geotrain.lab.bench import plot_results  # noqa: E402
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| setup | peers | swarm samples/s (planner) | per-peer efficiency | granularity (planner) | "
-             "averaging s/round | bandwidth bound s | slowest link |",
+    lines = ["| setup | peers | swarm samples/s (planner) | per-peer efficiency (vs lab compute) | granularity "
+             "(planner) | averaging s/round | bandwidth bound s | slowest link |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         m, p = r["measured"], r["planner"]
@@ -32,10 +32,15 @@ def table(results: list[dict]) -> str:
             continue
         bound = "-" if r["bandwidth_bound_s"] is None else f"{r['bandwidth_bound_s']:.2f}"
         lines.append(f"| {r['setup']} | {r['peers']} | {m['swarm_samples_per_second']:.1f} "
-                     f"({p['samples_per_second']:.1f}) | {m['per_peer_efficiency']:.2f} | "
+                     f"({p['samples_per_second']:.1f}) | {m['per_peer_efficiency']:.2f} "
+                     f"({_number(m.get('efficiency_vs_lab'))}) | "
                      f"{m['granularity']:.2f} ({p['granularity']:.2f}) | {m['comm_s_per_round']:.1f} | {bound} | "
                      f"{r['bandwidth_bound_link']} |")
     return "\n".join(lines)
+
+
+def _number(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The NLP profile in the lab, side by side: the study's configuration, geotrain's intercontinental profile and DiLoCo.
 
     sudo python benchmarks/lab_modes.py            # 6 `geotrain bench` runs, about 20 min on 2 shared cores
-    python benchmarks/lab_modes.py --table         # the docs/diloco.md table from the committed JSON
+    python benchmarks/lab_modes.py --table         # the docs/diloco.md table and the plot from the committed JSON
 
 [EMJ24]'s NLP model (RoBERTa-XLM, profile ``roberta_xlm``: 208.8 samples/s per T4, target batch 32K) emulated
 at setups A-4 (one zone) and C-4 (four continents): the largest of the study's setups this 2-core machine holds
@@ -64,8 +64,8 @@ def run(setup: str, name: str, arguments: list[str]) -> Path:
 
 
 def table(results: dict[tuple[str, str], dict]) -> str:
-    lines = ["| configuration | A-4 samples/s | C-4 samples/s | per-peer efficiency A-4 / C-4 | C-4 vs A-4 | "
-             "bytes sent per sample A-4 / C-4 | parameters identical |", "|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | A-4 samples/s | C-4 samples/s | per-peer efficiency A-4 / C-4 (vs lab compute) | "
+             "C-4 vs A-4 | bytes sent per sample A-4 / C-4 | parameters identical |", "|---|---|---|---|---|---|---|"]
     for name in CONFIGURATIONS:
         a, c = results.get(("A-4", name)), results.get(("C-4", name))
         if not a or not c or "swarm_samples_per_second" not in a["measured"] or \
@@ -78,9 +78,47 @@ def table(results: dict[tuple[str, str], dict]) -> str:
                            for r in (a, c))
         identical = "yes" if ma["params_identical"] and mc["params_identical"] else "NO"
         lines.append(f"| {name} | {ma['swarm_samples_per_second']:.1f} | {mc['swarm_samples_per_second']:.1f} | "
-                     f"{ma['per_peer_efficiency']:.2f} / {mc['per_peer_efficiency']:.2f} | {100 * penalty:+.0f}% | "
+                     f"{ma['per_peer_efficiency']:.2f} / {mc['per_peer_efficiency']:.2f} "
+                     f"({_number(ma.get('efficiency_vs_lab'))} / {_number(mc.get('efficiency_vs_lab'))}) | "
+                     f"{100 * penalty:+.0f}% | "
                      f"{sizes} | {identical} |")
     return "\n".join(lines)
+
+
+def plot(results: dict[tuple[str, str], dict], path: Path) -> None:
+    """Swarm samples/s at A-4 and C-4 per configuration, and bytes sent per sample."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (rate_axis, bytes_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(CONFIGURATIONS)
+    width = 0.38
+    for offset, setup in ((-width / 2, "A-4"), (width / 2, "C-4")):
+        rates, sizes = [], []
+        for name in names:
+            measured = results.get((setup, name), {}).get("measured", {})
+            rates.append(measured.get("swarm_samples_per_second", 0.0))
+            sizes.append((results.get((setup, name), {}).get("bytes_per_sample") or 0.0) / 1e3)
+        xs = [x + offset for x in range(len(names))]
+        rate_axis.bar(xs, rates, width, label=setup)
+        bytes_axis.bar(xs, sizes, width, label=setup)
+    for axis, label in ((rate_axis, "swarm samples/s"), (bytes_axis, "kB sent per sample")):
+        axis.set_xticks(range(len(names)), names)
+        axis.set_ylabel(label)
+        axis.legend(fontsize=8)
+    rate_axis.set_title("throughput (4 trainers; ideal 835)")
+    bytes_axis.set_title("traffic")
+    figure.suptitle("NLP profile (roberta_xlm on T4) in the lab, time scale 8: study vs intercontinental vs DiLoCo",
+                    fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _number(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def load() -> dict[tuple[str, str], dict]:
@@ -103,7 +141,10 @@ def main() -> int:
         for name in args.configurations.split(","):
             for setup in SETUPS:
                 run(setup, name, CONFIGURATIONS[name])
-    print(table(load()))
+    results = load()
+    print(table(results))
+    if results:
+        plot(results, RESULTS / "lab_modes.png")
     return 0
 
 

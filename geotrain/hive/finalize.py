@@ -51,23 +51,26 @@ def _holders(records: dict[str, dict], finalizer: str, sha256: str) -> set[str]:
 
 
 def _wait_for_followers(dht, run_id: str, peer_id: str, sha256: str, epoch: int, others: set[str],
-                        expected_peers: int, banned, deadline: float, settle_deadline: float) -> bool:
+                        expected_peers: int, banned, deadline: float, settle_deadline: float,
+                        finalizer: str | None = None) -> bool:
     """Serve the final state until every peer that finishes the run has taken it; whether they all did.
 
     Those are the candidates seen so far, any whose candidate record or last-epoch progress shows up while
     it waits (records come late on a loaded machine), and until ``settle_deadline`` at least
     ``expected_peers - 1`` others: the trainers the swarm counted in its last epoch (one that left or died in it
-    costs that wait).
+    costs that wait). A follower that serves the state too passes the ``finalizer``, which it does not wait for.
     """
     synced: set[str] = set()
+    not_followers = {peer_id} if finalizer is None else {peer_id, finalizer}
     while time.monotonic() < deadline:
         excluded = banned()
         records = _final_records(dht, run_id)
         synced = {pid for pid, r in records.items() if r.get("role") == "synced" and r["sha256"] == sha256}
         others |= {pid for pid, r in records.items() if r.get("epoch", -1) >= epoch and r.get("role") == "candidate"}
         others |= {pid for pid, p in read_progress(dht, run_id).items() if p.epoch >= epoch - 1}
-        others -= excluded | {peer_id}
-        enough = len(synced - {peer_id}) >= expected_peers - 1 - len(excluded) or time.monotonic() > settle_deadline
+        others -= excluded | not_followers
+        enough = len(synced - not_followers) >= expected_peers - len(not_followers) - len(excluded) or \
+            time.monotonic() > settle_deadline
         if others <= synced and enough:
             return True
         time.sleep(POLL_S)
@@ -168,8 +171,9 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
         holders = _holders(records, finalizer, target["sha256"]) - banned() - {peer_id}
         holders = {pid for pid in holders if not records.get(pid, {}).get("client_mode")}
         regional = {pid for pid in holders if region is not None and records.get(pid, {}).get("region") == region}
-        unsynced_here = sorted(pid for pid, r in records.items() if r.get("role") == "candidate"
-                               and region is not None and r.get("region") == region and pid not in holders)
+        unsynced_here = sorted(pid for pid, r in records.items() if r.get("role") == "candidate" and region is not None
+                               and r.get("region") == region and r.get("epoch", -1) >= epoch
+                               and not r.get("client_mode") and pid not in banned())
         goes_across = not unsynced_here or unsynced_here[0] == peer_id
         if not regional and not goes_across and time.monotonic() < cross_after:
             time.sleep(POLL_S)  # a peer of this region is taking it across; take it from that peer
@@ -194,8 +198,8 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
             _store(dht, run_id, peer_id, {"role": "synced", "sha256": sha256, "epoch": epoch, "region": region,
                                           "client_mode": client_mode}, timeout_s)
             if sharing:
-                _wait_for_followers(dht, run_id, peer_id, sha256, epoch, set(candidates) - {peer_id},
-                                    expected_peers, banned, deadline, time.monotonic() + settle_s)
+                _wait_for_followers(dht, run_id, peer_id, sha256, epoch, set(candidates), expected_peers, banned,
+                                    deadline, time.monotonic() + settle_s, finalizer=finalizer)
             return sha256, True
         time.sleep(POLL_S)
     logger.warning("could not take the final state from %s within %.0f s; keeping own parameters",

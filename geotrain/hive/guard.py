@@ -339,8 +339,9 @@ class GuardedAveragerMixin:
     def state_download_bound_s(self, donors: int = 3) -> float:
         """How long a download may take: this peer's state bytes at the minimum rate, plus, for each of a
         few donors, a stall and a probation (the size is this peer's own state, an estimate of the donor's)."""
-        parameters = [t for t in self._averaged_tensors] if hasattr(self, "_averaged_tensors") else []
-        state_bytes = sum(t.numel() * t.element_size() for t in parameters) * 3  # parameters and Adam's two
+        averaged = list(getattr(self, "_averaged_tensors", ()))
+        # parameters, two optimizer statistics (Adam's), and DiLoCo's outer state: four times what it averages
+        state_bytes = 4 * sum(t.numel() * t.element_size() for t in averaged)
         return state_bytes / self.donor_min_rate_bytes_s + donors * (self.donor_stall_s + self.donor_probation_s) + \
             PROBE_TIMEOUT_S
 

@@ -1,7 +1,7 @@
 """State transfers across an emulated slow link go to the nearest donor (needs root).
 
 Region ``west`` holds the coordinator and one trainer, region ``east`` one trainer from the start and one
-that joins late; the two regions are 60 ms apart at 20 Mbit/s. hivemind alone would have the late joiner
+that joins late, region ``south`` one trainer; the regions are 60-100 ms apart at 10-20 Mbit/s. hivemind alone would have the late joiner
 download from the coordinator (it announces the highest priority) across the link; geotrain's donor
 choice (geotrain/hive/donors.py) takes it from the trainer in its own region. At the end of the run the
 trainers agree on one final state, which crosses the link into a region at most once (a tree, not a star:
@@ -24,12 +24,14 @@ pytestmark = needs_lab
 EPOCHS = 8
 JOIN_AT_EPOCH = 2
 TOPOLOGY = """
-name: slow-link
-regions: {west: {peers: 1}, east: {peers: 2}}
+name: slow-links
+regions: {west: {peers: 1}, east: {peers: 2}, south: {peers: 1}}
 links:
   west-east: {latency_ms: 30, bandwidth_mbit_s: 20}
+  west-south: {latency_ms: 50, bandwidth_mbit_s: 10}
+  east-south: {latency_ms: 40, bandwidth_mbit_s: 10}
 """
-ADDRESSES = {"west": "10.77.1.2", "east": "10.77.2.2"}
+ADDRESSES = {"west": "10.77.1.2", "east": "10.77.2.2", "south": "10.77.3.2"}
 TRAINING = ["--task", "emulated", "--preset", "tiny", "--target-batch-size", "2048", "--batch-size", "32",
             "--network-profile", "continent", "--run-id", "lab-transfer", "--lr", "0.1"]
 
@@ -65,7 +67,7 @@ def test_a_late_joiner_and_the_final_state_come_from_the_nearest_donor(make_lab,
                                 "--initial-peers-file", str(peers_file), "--region", "west", *TRAINING))
         _wait_for(peers_file.exists, 90, "the coordinator's address")
         initial_peers = [a for a in peers_file.read_text().split() if ADDRESSES["west"] in a]
-        trainers = {"west": "west", "east": "east", "late": "east"}
+        trainers = {"west": "west", "east": "east", "south": "south", "late": "east"}
         events = {name: tmp_path / f"{name}.jsonl" for name in trainers}
 
         def start(name: str, wait_for_peers: int) -> None:
@@ -78,15 +80,16 @@ def test_a_late_joiner_and_the_final_state_come_from_the_nearest_donor(make_lab,
                 arguments += ["--initial-peers", address]
             processes.append(_spawn(lab.name, region, tmp_path / f"{name}.log", *arguments))
 
-        start("west", 2)
-        start("east", 2)
+        start("west", 3)
+        start("east", 3)
+        start("south", 3)
         _wait_for(lambda: any(e["epoch"] >= JOIN_AT_EPOCH for e in _events(events["east"], "epoch")), 150,
                   f"epoch {JOIN_AT_EPOCH}")
         start("late", 1)
         for process in processes[1:]:
             process.wait(timeout=240)
         logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace")[-3000:] for name in trainers}
-        assert [p.returncode for p in processes[1:]] == [0, 0, 0], logs
+        assert [p.returncode for p in processes[1:]] == [0] * len(trainers), logs
 
         peer_ids = {name: _events(events[name], "joined")[0]["peer_id"] for name in trainers}
         # the late joiner took the state from the trainer of its own region, not across the link
