@@ -8,8 +8,9 @@ in :mod:`geotrain.hive.guard`) download with :func:`download_state` instead:
 1. **Order** (:func:`rank_donors`): donors that hold the newest epoch (within ``epoch_tolerance``: hivemind
    itself moves a peer that loaded a state one epoch old up to the swarm's epoch), then those in this peer's
    region (the ``region`` label of their signed metric record), then by measured round trip (one TCP
-   handshake with the address in that record, all donors probed at once), then by announced priority (the
-   coordinator's is half an epoch above the trainers', so it wins a tie, and only a tie). Region and
+   handshake with the address in that record, all donors probed at once; round trips within 5 ms tie), then
+   by announced priority (the coordinator's is half an epoch above the trainers', so it wins a tie, and only
+   a tie: a durable VM that does not train has the spare CPU to serve). Region and
    address are what each peer says of itself: a peer that lies about them can reorder donors (bounded by
    the rules below), never change what is downloaded (that is checked: non-finite, epoch, DiLoCo bounds).
    A peer id claimed by records that disagree is ranked as unknown.
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 LOG_EVERY_S = 10.0
 PROBE_TIMEOUT_S = 2.0
 PROBATION_S = 10.0
+RTT_RESOLUTION_S = 0.005
 STATE_BYTES_KEY = "geotrain_state_bytes"  # added to the metadata a donor sends (geotrain.hive.guard)
 RESULTS = ("ok", "stalled", "slow", "empty", "failed")
 
@@ -67,7 +69,8 @@ def rank_donors(donors: list[Donor], own_region: str | None, epoch_tolerance: in
 
     def key(donor: Donor):
         far = own_region is None or donor.region != own_region
-        rtt = donor.rtt_s if donor.rtt_s is not None else math.inf
+        # round trips within RTT_RESOLUTION_S of each other tie (one data centre): the priority decides
+        rtt = math.ceil(donor.rtt_s / RTT_RESOLUTION_S) if donor.rtt_s is not None else math.inf
         if donor.epoch >= newest - epoch_tolerance:
             return (0, far, rtt, -donor.priority, donor.peer_id)
         return (1, -donor.priority, far, rtt, donor.peer_id)  # behind: the newest of them first
