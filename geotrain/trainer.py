@@ -284,6 +284,7 @@ class Trainer:
         config = self.config
         max_epochs = config.training.max_epochs
         batch_size = config.optimizer.batch_size_per_step
+        diloco = config.optimizer.mode == "diloco"
         model.train()
 
         run_totals = EpochTotals()
@@ -314,16 +315,21 @@ class Trainer:
                 epoch_totals.data_s += compute_started - data_started
                 epoch_totals.compute_s += comm_started - compute_started
                 continue
+            communication_before_s = optimizer.blocking_communication_s if diloco else 0.0
             optimizer.step()
             optimizer.zero_grad()
             finished = time.perf_counter()
+            # DiLoCo: the step is this peer's own (inner) optimizer step, compute, but for an outer round or a
+            # state load in it
+            inner_step_s = max(0.0, finished - comm_started - (optimizer.blocking_communication_s -
+                                                                communication_before_s)) if diloco else 0.0
 
             epoch_totals.samples += batch_size
             epoch_totals.loss_sum += loss_value
             epoch_totals.steps += 1
             epoch_totals.data_s += compute_started - data_started
-            epoch_totals.compute_s += comm_started - compute_started
-            epoch_totals.comm_s += finished - comm_started
+            epoch_totals.compute_s += comm_started - compute_started + inner_step_s
+            epoch_totals.comm_s += finished - comm_started - inner_step_s
             self.metrics.samples.inc(batch_size)
             self.progress.samples_total += batch_size
             if epoch_totals.steps == 1 and run_totals.steps == 0:

@@ -344,6 +344,7 @@ def diloco_optimizer_class(base: type) -> type:
         samples_per_trainer_round: int = 1
         pseudo_gradient_bytes: int = 0  # compressed, as sent
         on_outer_round = None  # callable(result, duration_s, group_size, pseudo_gradient_norm, sent_bytes)
+        blocking_communication_s = 0.0  # seconds of outer rounds and state loads so far (the rest of step() computes)
         _resync_from: str | None = None  # peer id of the round's majority whose outer state to load
         on_outer_state_loaded = None  # callable(donor peer id or None: any, epoch of the state)
         guard_ban_s: float = 600.0  # set by build: guard.ban_s
@@ -385,6 +386,7 @@ def diloco_optimizer_class(base: type) -> type:
             started = time.perf_counter()
             super()._update_global_epoch(grad_scaler)
             duration_s = time.perf_counter() - started
+            self.blocking_communication_s += duration_s
             group_size, result, gathered = 1, "alone", {}
             if averager.outer_rounds_applied == applied_before:  # no round ran: a swarm of one, or hivemind skipped
                 averager.apply_own_pseudo_gradient_()
@@ -425,9 +427,11 @@ def diloco_optimizer_class(base: type) -> type:
             if donor is not None and report is not None:
                 report.set_only_donor(donor)
             averager.resyncing, averager.refused_state = donor is not None, None
+            started = time.perf_counter()
             try:
                 result = super().load_state_from_peers(**kwargs)
             finally:
+                self.blocking_communication_s += time.perf_counter() - started
                 averager.resyncing = False
                 if donor is not None and report is not None:
                     report.set_only_donor(None)
