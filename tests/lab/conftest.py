@@ -8,8 +8,11 @@ never touched, and the fixture checks that ``down`` left nothing behind even whe
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +35,35 @@ def lab_run(lab: str, region: str, *command: str, **popen) -> subprocess.Popen:
     """Start ``command`` inside ``region`` with `geotrain lab run`, as a user would."""
     return subprocess.Popen([sys.executable, "-m", "geotrain", "lab", "run", "--lab", lab, region, "--", *command],
                             stdin=subprocess.DEVNULL, start_new_session=True, **popen)
+
+
+def spawn_geotrain(lab: str, region: str, log_path, *arguments: str) -> subprocess.Popen:
+    """``geotrain ARGUMENTS`` inside ``region``, its output in ``log_path``."""
+    with open(log_path, "w") as log:
+        return lab_run(lab, region, sys.executable, "-m", "geotrain", *arguments, stdout=log,
+                       stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def stop_all(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM, then SIGKILL to the process group of whatever is still running."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def nothing_left(lab: str) -> dict:

@@ -10,13 +10,8 @@ geotrain/hive/finalize.py). Every peer is started with the geotrain CLI through 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 
-from conftest import needs_lab
+from conftest import needs_lab, spawn_geotrain, stop_all, wait_for
 from geotrain.events import read_events
 
 pytestmark = needs_lab
@@ -36,22 +31,6 @@ TRAINING = ["--task", "emulated", "--preset", "tiny", "--target-batch-size", "20
             "--network-profile", "continent", "--run-id", "lab-transfer", "--lr", "0.1"]
 
 
-def _spawn(lab: str, region: str, log_path, *arguments: str) -> subprocess.Popen:
-    with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "geotrain", "lab", "run", "--lab", lab, region, "--",
-                                 sys.executable, "-m", "geotrain", *arguments], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 def _events(path, name: str) -> list[dict]:
     return [e for e in read_events(path) if e["event"] == name] if path.exists() else []
 
@@ -62,10 +41,10 @@ def test_a_late_joiner_and_the_final_state_come_from_the_nearest_donor(make_lab,
     processes = []
     try:
         peers_file = tmp_path / "initial_peers.txt"
-        processes.append(_spawn(lab.name, "west", tmp_path / "coordinator.log", "coordinator", "--host",
+        processes.append(spawn_geotrain(lab.name, "west", tmp_path / "coordinator.log", "coordinator", "--host",
                                 ADDRESSES["west"], "--port", "0", "--no-state", "--state-dir", str(tmp_path / "coord"),
                                 "--initial-peers-file", str(peers_file), "--region", "west", *TRAINING))
-        _wait_for(peers_file.exists, 90, "the coordinator's address")
+        wait_for(peers_file.exists, 90, "the coordinator's address")
         initial_peers = [a for a in peers_file.read_text().split() if ADDRESSES["west"] in a]
         trainers = {"west": "west", "east": "east", "south": "south", "late": "east"}
         events = {name: tmp_path / f"{name}.jsonl" for name in trainers}
@@ -78,12 +57,12 @@ def test_a_late_joiner_and_the_final_state_come_from_the_nearest_donor(make_lab,
                          str(wait_for_peers), "--max-epochs", str(EPOCHS), *TRAINING]
             for address in initial_peers:
                 arguments += ["--initial-peers", address]
-            processes.append(_spawn(lab.name, region, tmp_path / f"{name}.log", *arguments))
+            processes.append(spawn_geotrain(lab.name, region, tmp_path / f"{name}.log", *arguments))
 
         start("west", 3)
         start("east", 3)
         start("south", 3)
-        _wait_for(lambda: any(e["epoch"] >= JOIN_AT_EPOCH for e in _events(events["east"], "epoch")), 150,
+        wait_for(lambda: any(e["epoch"] >= JOIN_AT_EPOCH for e in _events(events["east"], "epoch")), 150,
                   f"epoch {JOIN_AT_EPOCH}")
         start("late", 1)
         for process in processes[1:]:
@@ -110,12 +89,4 @@ def test_a_late_joiner_and_the_final_state_come_from_the_nearest_donor(make_lab,
             crossings[region] += sum(e["donor_region"] != region for e in final)
         assert all(count <= 1 for count in crossings.values()), f"final state transfers across the link: {crossings}"
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_all(processes)

@@ -10,13 +10,9 @@ the test short on 2 busy cores; an epoch still takes seconds, so the trainers me
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
-from conftest import geotrain, needs_lab
+from conftest import geotrain, needs_lab, spawn_geotrain, stop_all, wait_for
 from geotrain.events import read_events
 from geotrain.lab.relay import STATS_EVERY_S
 
@@ -34,32 +30,16 @@ TRAINING = ["--task", "emulated", "--preset", "tiny", "--target-batch-size", "20
             "--network-profile", "continent", "--run-id", "lab-test", "--lr", "0.1"]
 
 
-def _spawn(lab: str, region: str, log_path, *arguments: str) -> subprocess.Popen:
-    with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "geotrain", "lab", "run", "--lab", lab, region, "--",
-                                 sys.executable, "-m", "geotrain", *arguments], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 def test_two_regions_train_to_identical_parameters(make_lab, tmp_path):
     lab = make_lab("gtlabtswarm")
     lab.up(TOPOLOGY)
     processes = []
     try:
         peers_file = tmp_path / "initial_peers.txt"
-        processes.append(_spawn(lab.name, "west", tmp_path / "coordinator.log", "coordinator", "--host",
+        processes.append(spawn_geotrain(lab.name, "west", tmp_path / "coordinator.log", "coordinator", "--host",
                                 ADDRESSES["west"], "--port", "0", "--no-state", "--state-dir", str(tmp_path / "coord"),
                                 "--initial-peers-file", str(peers_file), "--region", "west", *TRAINING))
-        _wait_for(peers_file.exists, 90, "the coordinator's address")
+        wait_for(peers_file.exists, 90, "the coordinator's address")
         initial_peers = [a for a in peers_file.read_text().split() if ADDRESSES["west"] in a]
         events = {}
         for index, region in enumerate(ADDRESSES, start=1):
@@ -70,7 +50,7 @@ def test_two_regions_train_to_identical_parameters(make_lab, tmp_path):
                          "--max-epochs", str(EPOCHS), *TRAINING]
             for address in initial_peers:
                 arguments += ["--initial-peers", address]
-            processes.append(_spawn(lab.name, region, tmp_path / f"{region}.log", *arguments))
+            processes.append(spawn_geotrain(lab.name, region, tmp_path / f"{region}.log", *arguments))
         for process in processes[1:]:
             process.wait(timeout=150)
         logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace")[-3000:] for name in ADDRESSES}
@@ -102,12 +82,4 @@ def test_two_regions_train_to_identical_parameters(make_lab, tmp_path):
         ratio = sum(sent.values()) / pipes["2->1"]["bytes"]
         assert 0.7 <= ratio <= 1.25, f"east measured {sent}, the relay carried {pipes['2->1']} east->west"
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_all(processes)

@@ -149,11 +149,28 @@ class Swarm:
         self.averagers.append(averager)
         return averager
 
+    def downloader(self, *donors):
+        """After ``donors`` (class, value, priority) announce their states, an averager that downloads (with
+        geotrain's donor choice) and its report."""
+        made = [self.averager(cls, value, priority=priority) for cls, value, priority in donors]
+        report = GuardReport(None)
+        downloader_class = type("TestDownloader", (Downloader,), {"guard_report": report})
+        downloader = self.averager(downloader_class, 0.0, priority=0.0, allow_state_sharing=False)
+        _wait_for_donors(self.first, len(donors))
+        return made, downloader, report
+
     def shutdown(self):
         for averager in self.averagers:
             averager.shutdown()
         for node in self.nodes:
             node.shutdown()
+
+
+@pytest.fixture
+def swarm():
+    swarm = Swarm()
+    yield swarm
+    swarm.shutdown()
 
 
 def _wait_for_donors(dht, count: int) -> None:
@@ -167,39 +184,21 @@ def _wait_for_donors(dht, count: int) -> None:
 
 
 @pytest.mark.parametrize("bad_donor, dropped_as", [(StallingDonor, "stalled"), (TricklingDonor, "slow")])
-def test_a_stalled_or_slow_donor_is_dropped_for_the_next(bad_donor, dropped_as):
-    swarm = Swarm()
-    report = GuardReport(None)
-    downloader_class = type("TestDownloader", (Downloader,), {"guard_report": report})
-    try:
-        # the bad donor announces the higher priority: hivemind's order would ask it first, and so does ours
-        swarm.averager(bad_donor, 2.0, priority=9.0)
-        good = swarm.averager(GoodDonor, 3.0, priority=8.0)
-        downloader = swarm.averager(downloader_class, 0.0, priority=0.0, allow_state_sharing=False)
-        _wait_for_donors(swarm.first, 2)
-        metadata, tensors = downloader.load_state_from_peers(timeout=60)
-        assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 3.0)), "the state did not come from the good donor"
-        attempts = report.downloads.snapshot()["attempts"]
-        assert attempts[dropped_as] == 1 and attempts["ok"] == 1, attempts
-        assert report.last_donor()[0] == good.peer_id.to_base58()
-        assert metadata["geotrain_state_bytes"] == 4 * 4 * CHUNK  # a geotrain donor says its state's size
-    finally:
-        swarm.shutdown()
+def test_a_stalled_or_slow_donor_is_dropped_for_the_next(swarm, bad_donor, dropped_as):
+    # the bad donor announces the higher priority: hivemind's order would ask it first, and so does ours
+    (_, good), downloader, report = swarm.downloader((bad_donor, 2.0, 9.0), (GoodDonor, 3.0, 8.0))
+    metadata, tensors = downloader.load_state_from_peers(timeout=60)
+    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 3.0)), "the state did not come from the good donor"
+    attempts = report.downloads.snapshot()["attempts"]
+    assert attempts[dropped_as] == 1 and attempts["ok"] == 1, attempts
+    assert report.last_donor()[0] == good.peer_id.to_base58()
+    assert metadata["geotrain_state_bytes"] == 4 * 4 * CHUNK  # a geotrain donor says its state's size
 
 
-def test_only_the_allowed_donors_are_asked():
-    swarm = Swarm()
-    report = GuardReport(None)
-    downloader_class = type("TestDownloader", (Downloader,), {"guard_report": report})
-    try:
-        swarm.averager(GoodDonor, 5.0, priority=9.0)
-        allowed = swarm.averager(GoodDonor, 6.0, priority=1.0)
-        downloader = swarm.averager(downloader_class, 0.0, priority=0.0, allow_state_sharing=False)
-        _wait_for_donors(swarm.first, 2)
-        report.set_allowed_donors({allowed.peer_id.to_base58()})
-        _, tensors = downloader.load_state_from_peers(timeout=60)
-        assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 6.0))
-        report.bans.ban(allowed.peer_id.to_base58(), 600)  # a banned donor is never asked, even when allowed
-        assert downloader.load_state_from_peers(timeout=60) is None
-    finally:
-        swarm.shutdown()
+def test_only_the_allowed_donors_are_asked(swarm):
+    (_, allowed), downloader, report = swarm.downloader((GoodDonor, 5.0, 9.0), (GoodDonor, 6.0, 1.0))
+    report.set_allowed_donors({allowed.peer_id.to_base58()})
+    _, tensors = downloader.load_state_from_peers(timeout=60)
+    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 6.0))
+    report.bans.ban(allowed.peer_id.to_base58(), 600)  # a banned donor is never asked, even when allowed
+    assert downloader.load_state_from_peers(timeout=60) is None
