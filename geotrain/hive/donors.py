@@ -27,6 +27,7 @@ in :mod:`geotrain.hive.guard`) download with :func:`download_state` instead:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import math
@@ -186,6 +187,7 @@ async def fetch_from(averager, donor: Donor, *, last: bool, stall_s: float, min_
     received, expected, metadata = 0, None, None
     tensors, parts = [], []
     last_log = started
+    messages = None
     try:
         stub = averager.get_stub(averager._p2p, PeerID.from_base58(donor.peer_id), namespace=averager.prefix)
         stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), stall_s)
@@ -226,6 +228,11 @@ async def fetch_from(averager, donor: Donor, *, last: bool, stall_s: float, min_
     except Exception as error:  # the donor left, refused or sent garbage: ask the next one
         logger.info("state download from %s failed: %r", donor.peer_id, error)
         return Attempt(donor, "failed", received, time.monotonic() - started)
+    finally:
+        close = getattr(messages, "aclose", None)  # a dropped donor's stream is closed, not left to the collector
+        if close is not None:
+            with contextlib.suppress(Exception):
+                await close()
     if not metadata:
         return Attempt(donor, "empty", received, time.monotonic() - started)
     return Attempt(donor, "ok", received, time.monotonic() - started, (metadata, tensors))
@@ -252,9 +259,9 @@ async def download_state(averager, donors: list[Donor], *, stall_s: float, min_r
                         attempt.bytes_per_second / 1e6)
             return attempt
         if attempt.result != "empty":
-            logger.warning("state download from %s %s after %.1f s (%s, %.2f MB/s); asking the next donor",
-                           donor.peer_id, attempt.result, attempt.seconds, _megabytes(attempt.received_bytes, None),
-                           attempt.bytes_per_second / 1e6)
+            logger.warning("state download from %s %s after %.1f s (%s, %.2f MB/s)%s", donor.peer_id, attempt.result,
+                           attempt.seconds, _megabytes(attempt.received_bytes, None), attempt.bytes_per_second / 1e6,
+                           "; asking the next donor" if index < len(donors) - 1 else "; no donor left")
     return None
 
 
