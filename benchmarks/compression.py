@@ -62,7 +62,11 @@ VARIANTS = {  # name: (flags, compression, PowerSGD rank)
 }
 MIN_COMPRESSION_RATIO = 0.5  # hivemind's PowerSGDGradientAverager default, which geotrain keeps
 FAILED_ROUND = re.compile(r"gradient averaging round (failed|timed out)")
-STATE_DOWNLOAD = "Finished downloading state"  # hivemind's line, in the downloading trainer's log
+
+
+def state_downloads(events: list[list[dict]]) -> int:
+    """Whole states the trainers downloaded (each peer's ``state_download`` events that succeeded)."""
+    return sum(1 for peer in events for e in peer if e["event"] == "state_download" and e["result"] == "ok")
 
 
 def gradient_payload_bytes(variant: str, model: torch.nn.Module) -> int:
@@ -138,7 +142,7 @@ def run_variant(variant: str, round_index: int, args, initial_peers: list[str], 
     return {"samples": samples, "sent_bytes": sent, "received_bytes": received,
             "sent_bytes_per_sample": sent / samples, "received_bytes_per_sample": received / samples,
             "bytes_per_sample": max(sent, received) / samples,
-            "state_downloads": sum(log.count(STATE_DOWNLOAD) for log in logs),
+            "state_downloads": state_downloads(events),
             "loss_per_epoch": losses, "final_loss": losses[-1],
             "params_identical": len({f["params_sha256"] for f in finished}) == 1,
             "exit_codes": [p.returncode for p in processes],
