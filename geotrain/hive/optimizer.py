@@ -207,6 +207,13 @@ class MeasuredOptimizer(hivemind.Optimizer):
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
+    def load_state_from_peers(self, **kwargs):
+        result = super().load_state_from_peers(**kwargs)
+        # hivemind moves a peer that loaded a state one epoch old up to the swarm's epoch ("catching up") without
+        # stepping the learning rate schedule: that epoch would run at the previous epoch's rate
+        self.state_averager._update_scheduler()
+        return result
+
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         started = time.perf_counter()
         self._round_being_used = maybe_step_control
