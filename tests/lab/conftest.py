@@ -44,6 +44,17 @@ def spawn_geotrain(lab: str, region: str, log_path, *arguments: str) -> subproce
                        stderr=subprocess.STDOUT)
 
 
+def start_coordinator(lab: str, region: str, address: str, directory: Path, *training: str):
+    """A bootstrap coordinator in ``region`` (logs and state in ``directory``): its process and the addresses
+    trainers join it by."""
+    peers_file = directory / "initial_peers.txt"
+    process = spawn_geotrain(lab, region, directory / "coordinator.log", "coordinator", "--host", address, "--port",
+                             "0", "--no-state", "--state-dir", str(directory / "coord"), "--initial-peers-file",
+                             str(peers_file), "--region", region, *training)
+    wait_for(peers_file.exists, 90, "the coordinator's address")
+    return process, [a for a in peers_file.read_text().split() if address in a]
+
+
 def wait_for(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

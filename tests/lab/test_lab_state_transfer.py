@@ -11,7 +11,7 @@ geotrain/hive/finalize.py). Every peer is started with the geotrain CLI through 
 from __future__ import annotations
 
 
-from conftest import needs_lab, spawn_geotrain, stop_all, wait_for
+from conftest import needs_lab, spawn_geotrain, start_coordinator, stop_all, wait_for
 from geotrain.events import read_events
 
 pytestmark = needs_lab
@@ -40,12 +40,8 @@ def test_a_late_joiner_and_the_final_state_come_from_the_nearest_donor(make_lab,
     lab.up(TOPOLOGY)
     processes = []
     try:
-        peers_file = tmp_path / "initial_peers.txt"
-        processes.append(spawn_geotrain(lab.name, "west", tmp_path / "coordinator.log", "coordinator", "--host",
-                                ADDRESSES["west"], "--port", "0", "--no-state", "--state-dir", str(tmp_path / "coord"),
-                                "--initial-peers-file", str(peers_file), "--region", "west", *TRAINING))
-        wait_for(peers_file.exists, 90, "the coordinator's address")
-        initial_peers = [a for a in peers_file.read_text().split() if ADDRESSES["west"] in a]
+        coordinator, initial_peers = start_coordinator(lab.name, "west", ADDRESSES["west"], tmp_path, *TRAINING)
+        processes.append(coordinator)
         trainers = {"west": "west", "east": "east", "south": "south", "late": "east"}
         events = {name: tmp_path / f"{name}.jsonl" for name in trainers}
 

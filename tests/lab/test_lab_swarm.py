@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from conftest import geotrain, needs_lab, spawn_geotrain, stop_all, wait_for
+from conftest import geotrain, needs_lab, spawn_geotrain, start_coordinator, stop_all
 from geotrain.events import read_events
 from geotrain.lab.relay import STATS_EVERY_S
 
@@ -35,12 +35,8 @@ def test_two_regions_train_to_identical_parameters(make_lab, tmp_path):
     lab.up(TOPOLOGY)
     processes = []
     try:
-        peers_file = tmp_path / "initial_peers.txt"
-        processes.append(spawn_geotrain(lab.name, "west", tmp_path / "coordinator.log", "coordinator", "--host",
-                                ADDRESSES["west"], "--port", "0", "--no-state", "--state-dir", str(tmp_path / "coord"),
-                                "--initial-peers-file", str(peers_file), "--region", "west", *TRAINING))
-        wait_for(peers_file.exists, 90, "the coordinator's address")
-        initial_peers = [a for a in peers_file.read_text().split() if ADDRESSES["west"] in a]
+        coordinator, initial_peers = start_coordinator(lab.name, "west", ADDRESSES["west"], tmp_path, *TRAINING)
+        processes.append(coordinator)
         events = {}
         for index, region in enumerate(ADDRESSES, start=1):
             events[region] = tmp_path / f"{region}.jsonl"
