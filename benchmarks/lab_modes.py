@@ -1,6 +1,6 @@
 """The NLP profile in the lab, side by side: the study's configuration, geotrain's intercontinental profile and DiLoCo.
 
-    sudo python benchmarks/lab_modes.py            # 6 `geotrain bench` runs, about 20 min on 2 shared cores
+    sudo python benchmarks/lab_modes.py            # 12 `geotrain bench` runs, about 45 min on 2 shared cores
     python benchmarks/lab_modes.py --table         # the docs/diloco.md table and the plot from the committed JSON
 
 [EMJ24]'s NLP model (RoBERTa-XLM, profile ``roberta_xlm``: 208.8 samples/s per T4, target batch 32K) emulated
@@ -12,7 +12,10 @@ batch 4,096, model / 80, bandwidths / 10, latencies and the network profile's du
   RTT calls for, as [EMJ24] ran it;
 - ``intercontinental``: sync mode with geotrain's ``intercontinental`` profile at both setups;
 - ``diloco``: DiLoCo mode, H = 64 micro-steps of 32 (the paper's 500 divided by the time scale, rounded:
-  one round per 8,192 samples of 4 trainers, twice the sync target batch).
+  one round per 8,192 samples of 4 trainers, twice the sync target batch), rounds overlapped with the next
+  inner steps (the default); ``diloco-H256``: H = 256;
+- ``diloco-blocking``, ``diloco-H256-blocking``: the same with ``--blocking-rounds`` (the trainers wait for
+  every round, as in the DiLoCo paper).
 
 For each: swarm samples/s, per-peer efficiency (of the emulated 208.8 samples/s per trainer), the C-4 vs A-4
 penalty, and bytes sent per sample (the trainers' kernel TCP counters over their samples).
@@ -40,6 +43,9 @@ CONFIGURATIONS = {
     "diloco": ["--mode", "diloco", "--inner-steps", str(DILOCO_INNER_STEPS)],
     # a round per 32,768 samples (H = 2,048 at full scale): 3 rounds, the first left out, to fit the machine's time
     "diloco-H256": ["--mode", "diloco", "--inner-steps", "256", "--epochs", "3"],
+    # the trainers wait for every round (the DiLoCo paper's form; the default overlaps rounds with inner steps)
+    "diloco-blocking": ["--mode", "diloco", "--inner-steps", str(DILOCO_INNER_STEPS), "--blocking-rounds"],
+    "diloco-H256-blocking": ["--mode", "diloco", "--inner-steps", "256", "--epochs", "3", "--blocking-rounds"],
 }
 
 
@@ -94,7 +100,7 @@ def plot(results: dict[tuple[str, str], dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (rate_axis, bytes_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, (rate_axis, bytes_axis) = plt.subplots(1, 2, figsize=(13, 4.5))
     names = list(CONFIGURATIONS)
     width = 0.38
     for offset, setup in ((-width / 2, "A-4"), (width / 2, "C-4")):
@@ -107,7 +113,7 @@ def plot(results: dict[tuple[str, str], dict], path: Path) -> None:
         rate_axis.bar(xs, rates, width, label=setup)
         bytes_axis.bar(xs, sizes, width, label=setup)
     for axis, label in ((rate_axis, "swarm samples/s"), (bytes_axis, "kB sent per sample")):
-        axis.set_xticks(range(len(names)), names)
+        axis.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
         axis.set_ylabel(label)
         axis.legend(fontsize=8)
     rate_axis.set_title("throughput (4 trainers; ideal 835)")

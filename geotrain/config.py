@@ -249,6 +249,10 @@ class DiLoCoConfig(_Strict):
     outer_learning_rate: float = Field(0.7, gt=0, description="Learning rate of the outer SGD step.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD step.")
     nesterov: bool = Field(True, description="Nesterov momentum for the outer step.")
+    overlap_rounds: bool = Field(
+        True, description="Run a round's all-reduce in the background while the next inner steps run; its outer "
+                          "step lands when the all-reduce is done, keeping the inner steps taken since. false: the "
+                          "trainer waits for every round (the DiLoCo paper's form).")
     matchmaking_time_s: float | None = Field(
         None, gt=0, description="How long a round waits for the trainers to meet; none: twice the network profile's "
                                 "matchmaking time, at least 5 s (rounds are rare, and a trainer that misses one has to "

@@ -170,6 +170,8 @@ class Trainer:
             if config.optimizer.mode == "diloco":  # state loads from here on: behind, or off a round's majority
                 optimizer.on_outer_state_loaded = partial(self._on_outer_state_loaded, peer_id)
             totals = self._train(task, model, compute, batches, optimizer, stop, peer_id, dht)
+            if config.optimizer.mode == "diloco" and not stop.is_set():
+                optimizer.finish_outer_round()  # the last round's outer step, when it ran in the background
             if not stop.is_set() and config.training.max_epochs is not None:
                 _, agreed = agree_on_final_state(dht, optimizer, model, config.swarm.run_id, optimizer.local_epoch,
                                                  config.swarm.client_mode, config.training.final_agreement_timeout_s,

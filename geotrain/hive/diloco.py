@@ -15,6 +15,13 @@ How geotrain runs it on hivemind:
   average (a faster trainer does more, a slower one fewer: nobody idles waiting for the others).
 - hivemind pre-schedules the round's matchmaking at the estimated end of the round, so the trainers meet
   in one group; a trainer that comes late is not waited for past ``optimizer.averaging_timeout_s``.
+- With ``optimizer.diloco.overlap_rounds`` (the default) a round does not stop the trainer: its pseudo-gradient
+  is taken at the round's boundary, the all-reduce runs in the background while the next inner steps run on
+  (hivemind's delayed state averaging), and the outer step lands at the first micro-step after the all-reduce,
+  at the latest before the next round's pseudo-gradient is taken. The swarm's step then replaces this peer's own
+  progress of the finished round and keeps the inner steps taken since: local += new outer - local at the
+  boundary (the outer step arrives one part of a round late; "overlapping communication" in Streaming DiLoCo,
+  arXiv 2501.18512). Without it, the trainer waits for the round, as in the DiLoCo paper.
 - :class:`OuterStateAverager` (hivemind's state averager) averages the pseudo-gradient instead of the
   parameters (``optimizer.grad_compression``, fp16 by default; buffers such as batch norm statistics are
   averaged as values), then applies the outer step. A newcomer downloads the *outer* parameters, both
@@ -33,7 +40,8 @@ How geotrain runs it on hivemind:
   own pseudo-gradient instead, and re-syncs as above.
 
 Memory: the outer parameters, the outer momentum and hivemind's averaging buffer, each one fp32 copy of the
-parameters in host memory (3x the parameters' size, on the CPU).
+parameters in host memory (3x the parameters' size, on the CPU); with overlapped rounds one more, the local
+parameters at the round's boundary, while the round is in flight.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import logging
 import math
 import multiprocessing
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from hivemind.compression import CompressionInfo, TensorRole
@@ -104,6 +113,9 @@ class OuterStateAverager(TrainingStateAverager):
     refused_state: str | None = None  # why the last downloaded state was refused
     guard_report = None  # set by geotrain.hive.optimizer.guarded
     min_inner_steps_for_norm_check: float = 1.0  # set by build (a class attribute): a quarter of inner_steps
+    overlap_rounds: bool = False  # set by build (a class attribute): optimizer.diloco.overlap_rounds
+    _round_prepared: bool = False  # the round's pseudo-gradient is in the averaging buffers (prepare_round)
+    _boundary_parameters: list[torch.Tensor] | None = None  # local parameters at the round's boundary (overlap)
     # Honest pseudo-gradients of one round differ far more in norm than honest gradients do (up to 43x in a
     # loopback CV run, with every member past a quarter of H): the guard's factor is widened 100-fold, which
     # still refuses a contribution scaled a million times
@@ -113,6 +125,11 @@ class OuterStateAverager(TrainingStateAverager):
         # shared with the averager's process (it forks in hivemind's __init__), where the guard reads it
         self.own_inner_steps = multiprocessing.Value(ctypes.c_double, 0.0, lock=False)
         super().__init__(*args, **kwargs)
+        if self.overlap_rounds:
+            # a round in the background holds one worker for its whole all-reduce; the inner steps need another
+            # (hivemind gives two only with its delta rule, which would make every inner step wait for the round)
+            self.step_executor.shutdown(wait=True)
+            self.step_executor = ThreadPoolExecutor(max_workers=2)
 
     def contribution_norm_applies(self) -> bool:
         """Whether the guard (geotrain.hive.guard) compares received parts with this peer's own pseudo-gradient:
@@ -149,10 +166,22 @@ class OuterStateAverager(TrainingStateAverager):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     @torch.no_grad()
+    def prepare_round(self) -> None:
+        """Take the round's pseudo-gradient now, in the trainer's thread: with overlapped rounds hivemind would
+        take it in its background thread, while the next inner steps already move the local parameters. The
+        local parameters at the boundary are kept until the outer step lands (see _outer_step)."""
+        self._load_local_tensors_into_averager_()
+        self._boundary_parameters = [p.detach().to("cpu", torch.float32, copy=True) for p in self._local_parameters()]
+        self._round_prepared = True
+
+    @torch.no_grad()
     def _load_local_tensors_into_averager_(self):
         """Before a round: this peer's pseudo-gradient (outer minus local parameters) and its buffers."""
         if not hasattr(self, "outer_parameters"):  # hivemind's own call during construction
             return super()._load_local_tensors_into_averager_()
+        if self._round_prepared:  # taken by prepare_round at the round's boundary
+            self._round_prepared = False
+            return
         local = list(self._local_tensors())
         count = len(self.outer_parameters)
         with self.get_tensors() as averaged:
@@ -188,7 +217,7 @@ class OuterStateAverager(TrainingStateAverager):
                                             bound=bound)
                 pseudo_gradients = self._own_pseudo_gradient
                 buffers = None
-            self._outer_step(pseudo_gradients)
+            self._outer_step(pseudo_gradients, keep_local_progress=self.overlap_rounds)
             if buffers is not None:
                 for local_buffer, averaged_buffer in zip(self.extra_tensors, buffers):
                     local_buffer.copy_(averaged_buffer)
@@ -202,14 +231,23 @@ class OuterStateAverager(TrainingStateAverager):
         self.last_pseudo_gradient_norm = self.own_pseudo_gradient_norm
 
     @torch.no_grad()
-    def _outer_step(self, pseudo_gradients) -> None:
+    def _outer_step(self, pseudo_gradients, keep_local_progress: bool = False) -> None:
+        """The outer step; then local = outer parameters, or with ``keep_local_progress`` (an overlapped round)
+        local += new outer - local at the round's boundary: the inner steps taken since the boundary stay."""
         with self.lock_optimizer:
+            boundary = self._boundary_parameters if keep_local_progress else None
+            self._boundary_parameters = None
             for parameter, pseudo_gradient in zip(self.outer_parameters, pseudo_gradients):
                 parameter.grad = pseudo_gradient
             self.outer_optimizer.step()
             for parameter in self.outer_parameters:
                 parameter.grad = None
-            self._copy_outer_into_local()
+            if boundary is None:
+                self._copy_outer_into_local()
+            else:  # (outer + exactly 0 when no inner step came since: the run's last round ends on the outer ones)
+                for local, outer, at_boundary in zip(self._local_parameters(), self.outer_parameters, boundary):
+                    drift = local.detach().to("cpu", torch.float32) - at_boundary
+                    local.copy_(outer + drift)
         self._update_fingerprint()
         self.outer_rounds_applied += 1
 
@@ -346,8 +384,16 @@ def diloco_optimizer_class(base: type) -> type:
         on_outer_round = None  # callable(result, duration_s, group_size, pseudo_gradient_norm, sent_bytes)
         blocking_communication_s = 0.0  # seconds of outer rounds and state loads so far (the rest of step() computes)
         _resync_from: str | None = None  # peer id of the round's majority whose outer state to load
+        _round_in_flight: dict | None = None  # an overlapped round whose outer step has not landed yet
         on_outer_state_loaded = None  # callable(donor peer id or None: any, epoch of the state)
         guard_ban_s: float = 600.0  # set by build: guard.ban_s
+
+        def _make_state_averager(self, **kwargs):
+            # hivemind turns on its delta rule for delayed averaging with local updates; the outer step keeps the
+            # inner steps' progress its own way (OuterStateAverager._outer_step), and the delta rule would make
+            # every inner step wait for the round in flight
+            kwargs["delta_rule_averaging"] = False
+            return super()._make_state_averager(**kwargs)
 
         def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
             tracker = RoundTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
@@ -369,6 +415,7 @@ def diloco_optimizer_class(base: type) -> type:
             return tracker.global_progress.num_peers > 1
 
         def _update_global_epoch(self, grad_scaler) -> None:
+            self.finish_outer_round()  # an overlapped round's outer step lands before this round's pseudo-gradient
             if self.tracker.global_progress.num_peers <= 1 and self._others_in_sight() \
                     and not self.tracker.ready_to_update_epoch:
                 return  # the round is larger with the others counted: train on
@@ -381,14 +428,47 @@ def diloco_optimizer_class(base: type) -> type:
                 # scheduled here when hivemind did not pre-schedule it, so that its outcome is known afterwards
                 control = self.scheduled_state = averager.schedule_step(gather=next_epoch,
                                                                         timeout=self.averaging_timeout)
-            own_fingerprint = averager.outer_fingerprint
+            round_ = {"control": control, "own_fingerprint": averager.outer_fingerprint, "trainers": trainers,
+                      "applied_before": applied_before, "started": time.perf_counter()}
             averager.own_inner_steps.value = self.tracker.local_progress.samples_accumulated / self.batch_size_per_step
-            started = time.perf_counter()
+            if averager.overlap_rounds:
+                averager.prepare_round()
             super()._update_global_epoch(grad_scaler)
-            duration_s = time.perf_counter() - started
-            self.blocking_communication_s += duration_s
+            self.blocking_communication_s += time.perf_counter() - round_["started"]
+            in_flight = averager.overlap_rounds and (averager.finished_averaging_round.is_set() or any(
+                not update.done() for update in averager.pending_updates))
+            if in_flight:  # its outer step lands later (finish_outer_round)
+                self._round_in_flight = round_
+            else:
+                self._report_round(round_)
+
+        def step(self, *args, **kwargs):
+            round_ = self._round_in_flight
+            if round_ is not None and (self.state_averager.finished_averaging_round.is_set()
+                                       or self.state_averager.outer_rounds_applied > round_["applied_before"]):
+                self.finish_outer_round()  # the overlapped round's all-reduce is done: its outer step lands now
+            return super().step(*args, **kwargs)
+
+        def finish_outer_round(self) -> None:
+            """Wait for an overlapped round still in flight and apply its outer step (a no-op without one); the
+            trainer calls it after its last micro-step, so that the run ends on the last round's outer step."""
+            round_ = self._round_in_flight
+            if round_ is None:
+                return
+            self._round_in_flight = None
+            averager = self.state_averager
+            waited = time.perf_counter()
+            averager.step(wait_for_delayed_updates=True)  # waits for the all-reduce, applies its outer step
+            self.blocking_communication_s += time.perf_counter() - waited
+            self._report_round(round_)
+
+        def _report_round(self, round_: dict) -> None:
+            """After a round's outer step: re-sync when this peer stepped from other outer parameters than the
+            round's majority, then the log line and the on_outer_round callback."""
+            averager, control = self.state_averager, round_["control"]
+            duration_s = time.perf_counter() - round_["started"]
             group_size, result, gathered = 1, "alone", {}
-            if averager.outer_rounds_applied == applied_before:  # no round ran: a swarm of one, or hivemind skipped
+            if averager.outer_rounds_applied == round_["applied_before"]:  # no round ran: a swarm of one, or skipped
                 averager.apply_own_pseudo_gradient_()
                 if control is not None and not control.done():
                     control.cancel()
@@ -400,7 +480,8 @@ def diloco_optimizer_class(base: type) -> type:
                 if averager.refused_average:
                     result = "refused"
             donor, sharing, donor_fingerprint = majority_donor(gathered)
-            if donor_fingerprint is not None and not same_outer_parameters(own_fingerprint, donor_fingerprint):
+            if donor_fingerprint is not None and not same_outer_parameters(round_["own_fingerprint"],
+                                                                           donor_fingerprint):
                 # this peer's outer parameters were not the group's (a round it missed, a split group, a refused
                 # average): it takes those of the group's majority, so that every trainer steps from the same ones
                 self._resync_from = donor
@@ -409,7 +490,7 @@ def diloco_optimizer_class(base: type) -> type:
                                self.local_epoch, sharing, group_size, donor)
             else:
                 logger.info("outer round %d: %s with %d of %d trainers in %.1f s, pseudo-gradient norm %.4g",
-                            self.local_epoch, result, group_size, max(trainers, group_size), duration_s,
+                            self.local_epoch, result, group_size, max(round_["trainers"], group_size), duration_s,
                             averager.last_pseudo_gradient_norm or 0.0)
             if self.on_outer_round is not None:
                 # hivemind's butterfly all-reduce: each of g peers sends (g - 1) / g of its part twice (reduce, gather)
@@ -420,6 +501,7 @@ def diloco_optimizer_class(base: type) -> type:
             return self._resync_from is not None or super()._should_load_state_from_peers()
 
         def load_state_from_peers(self, **kwargs):
+            self.finish_outer_round()
             donor, self._resync_from = self._resync_from, None
             report = self.state_averager.guard_report
             averager = self.state_averager

@@ -285,7 +285,8 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     state_averager_class = RecordingStateAverager
     if diloco:  # (class attributes: the averager's process forks at construction and sees these)
         state_averager_class = type("DiLoCoStateAverager", (OuterStateAverager, RecordingStateAverager),
-                                    {"min_inner_steps_for_norm_check": max(1.0, opt.diloco.inner_steps / 4)})
+                                    {"min_inner_steps_for_norm_check": max(1.0, opt.diloco.inner_steps / 4),
+                                     "overlap_rounds": opt.diloco.overlap_rounds})
     if checked:
         state_averager_class = guarded(state_averager_class, admission, report, config)
     if diloco:
@@ -329,9 +330,9 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         delay_optimizer_step=delayed,
         delay_grad_averaging=delayed,
         use_local_updates=local_updates,
-        # DiLoCo: the outer round blocks (its outer step must land before the next inner step); sync mode with
+        # DiLoCo: the outer round runs in the background with overlap_rounds, else it blocks; sync mode with
         # local updates keeps hivemind's background averaging
-        delay_state_averaging=not diloco,
+        delay_state_averaging=not diloco or opt.diloco.overlap_rounds,
         average_state_every=1 if diloco else opt.average_state_every,
         grad_compression=build_compression(opt.grad_compression),
         grad_averager_factory=grad_averager_factory,

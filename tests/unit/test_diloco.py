@@ -197,3 +197,49 @@ def test_a_poisoned_average_is_refused_and_this_peer_steps_with_its_own(dht, poi
         assert MAX_PSEUDO_GRADIENT_TO_PARAMETERS < 1e6 * 0.01  # (the huge one is far over the bound)
     finally:
         optimizer.shutdown()
+
+
+def test_an_overlapped_round_lands_the_swarms_step_and_keeps_the_inner_steps_taken_since(dht):
+    model, optimizer = build(dht, "diloco-overlap", outer_momentum=0.0)
+    try:
+        averager = optimizer.state_averager
+        assert averager.overlap_rounds and averager.step_executor._max_workers == 2  # inner steps beside a round
+        outer = [p.detach().clone() for p in averager.outer_parameters]
+        with torch.no_grad():
+            for parameter in model.parameters():  # the round's inner steps
+                parameter.add_(0.01)
+        averager.prepare_round()  # the boundary: this peer's pseudo-gradient, -0.01
+        with torch.no_grad():
+            for parameter in model.parameters():  # inner steps of the next round while the all-reduce runs
+                parameter.add_(0.003)
+        averager._load_local_tensors_into_averager_()  # hivemind's call in its background thread: takes nothing new
+        with averager.get_tensors() as averaged, torch.no_grad():
+            assert all(torch.allclose(t, torch.full_like(t, -0.01)) for t in averaged[:len(outer)])
+            for tensor in averaged[:len(outer)]:  # the swarm's average: the others moved further
+                tensor.fill_(-0.02)
+        averager._apply_averaging_results_()
+        for parameter, outer_parameter, before in zip(model.parameters(), averager.outer_parameters, outer):
+            assert torch.allclose(outer_parameter, before + 0.7 * 0.02, atol=1e-6)  # the swarm's outer step
+            assert torch.allclose(parameter.detach(), outer_parameter + 0.003, atol=1e-6)  # plus the steps since
+    finally:
+        optimizer.shutdown()
+
+
+def test_without_overlap_the_model_is_the_outer_parameters_after_a_round(dht):
+    config = diloco_config("diloco-blocking", outer_momentum=0.0)
+    config.optimizer.diloco.overlap_rounds = False
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = build_hivemind_optimizer(config, dht, model)
+    try:
+        averager = optimizer.state_averager
+        assert not optimizer.delay_state_averaging and averager.step_executor._max_workers == 1
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01)
+        averager._load_local_tensors_into_averager_()
+        averager._apply_averaging_results_()
+        for parameter, outer_parameter in zip(model.parameters(), averager.outer_parameters):
+            assert torch.equal(parameter.detach(), outer_parameter)
+    finally:
+        optimizer.shutdown()
