@@ -41,6 +41,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -59,6 +60,7 @@ from geotrain.pricing.catalog import Offer
 from geotrain.pricing.egress import KINDS, EgressPrices
 
 BENCH_LAB = "gtlabbench"
+DEFAULT_EPOCHS = 4
 SETUP = re.compile(r"^(?P<topology>[A-Za-z0-9_.-]+?)-(?P<peers>[1-9][0-9]*)$")
 
 
@@ -81,7 +83,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="divide every duration by J: target batch and model size, latencies, the network "
                              "profile's matchmaking time, timeouts and periods (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per micro-step (default: %(default)s)")
-    parser.add_argument("--epochs", type=int, default=4, help="epochs to train (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, help=f"epochs to train (default: {DEFAULT_EPOCHS}; with --duration: "
+                                                   "as many as the duration holds without churn)")
     parser.add_argument("--warmup-epochs", type=int, default=1,
                         help="first epochs left out of the measurement: peers join (default: %(default)s)")
     parser.add_argument("--network-profile", choices=("loopback", "lan", "continent", "intercontinental"),
@@ -96,12 +99,24 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "--inner-steps (an epoch is then an outer round)")
     parser.add_argument("--inner-steps", type=int, default=500, metavar="H",
                         help="diloco: micro-steps per trainer between outer rounds (default: %(default)s)")
+    parser.add_argument("--blocking-rounds", action="store_true",
+                        help="diloco: the trainers wait for every outer round (default: rounds run in the "
+                             "background, optimizer.diloco.overlap_rounds)")
     parser.add_argument("--lab", default=BENCH_LAB, help="lab name for the run (default: %(default)s)")
     parser.add_argument("--run-dir", type=Path, help="logs and events (default: runs/bench-SETUP-TIME)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="draw the results as a PNG")
     parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                         help="stop the swarm after this long (default: %(default)s)")
+    soak = parser.add_argument_group("churn soak (geotrain/lab/churn.py, docs/lab.md#churn-soak)")
+    soak.add_argument("--duration", type=float, metavar="SECONDS",
+                      help="a soak: train about this long (epochs estimated from it), with --churn during it")
+    soak.add_argument("--churn", type=float, default=0.0, metavar="RATE",
+                      help="preemption notices per trainer per emulated hour (lab seconds x --time-scale); with one "
+                           "SIGKILL and one coordinator restart when > 0 (default: %(default)s, the baseline)")
+    soak.add_argument("--churn-seed", type=int, default=1, help="seed of the churn schedule (default: %(default)s)")
+    soak.add_argument("--rejoin-delay", type=float, default=10.0, metavar="SECONDS",
+                      help="a preempted trainer's replacement starts this long after it left (default: %(default)s)")
 
 
 # --- the setup -------------------------------------------------------------------------------------
@@ -126,6 +141,7 @@ class BenchPlan:
     matchmaking_time_s: float | None
     mode: str = "sync"
     inner_steps: int = 500
+    blocking_rounds: bool = False
 
     @property
     def preset(self) -> str:
@@ -179,15 +195,18 @@ def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
     match = SETUP.match(args.setup)
     if match is None:
         raise BenchError(f"--setup {args.setup!r}: expected TOPOLOGY-PEERS, e.g. C-4 ([EMJ24]'s notation)")
-    for name in ("bandwidth_scale", "time_scale", "batch_size", "epochs"):
+    epochs = DEFAULT_EPOCHS if args.epochs is None else args.epochs
+    for name in ("bandwidth_scale", "time_scale", "batch_size"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')}: expected a whole number >= 1")
+    if epochs < 1:
+        raise BenchError("--epochs: expected a whole number >= 1")
     if args.mode == "diloco" and args.overlap:
         raise BenchError("--overlap: delayed parameter updates do not apply to --mode diloco (no gradients to delay)")
     if args.inner_steps < 1:
         raise BenchError("--inner-steps: expected a whole number >= 1")
-    if not 0 <= args.warmup_epochs < args.epochs:
-        raise BenchError(f"--warmup-epochs {args.warmup_epochs}: expected 0 <= warmup < --epochs ({args.epochs})")
+    if not 0 <= args.warmup_epochs < epochs:
+        raise BenchError(f"--warmup-epochs {args.warmup_epochs}: expected 0 <= warmup < --epochs ({epochs})")
     full = load_topology(args.topology or match["topology"]).with_peers(int(match["peers"]))
     profile = load_profile(args.profile)
     gpu = args.gpu or next(iter(profile.samples_per_second))
@@ -201,9 +220,10 @@ def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
         full_topology=full, profile=profile,
         gpu=gpu, samples_per_second_per_gpu=profile.samples_per_second[gpu], bandwidth_scale=args.bandwidth_scale,
         time_scale=args.time_scale, parameters=max(1, profile.parameters // divisor),
-        target_batch_size=target_batch_size, batch_size=args.batch_size, epochs=args.epochs,
+        target_batch_size=target_batch_size, batch_size=args.batch_size, epochs=epochs,
         warmup_epochs=args.warmup_epochs, network_profile=args.network_profile or default_network_profile(full),
-        overlap=args.overlap, matchmaking_time_s=args.matchmaking_time, mode=args.mode, inner_steps=args.inner_steps)
+        overlap=args.overlap, matchmaking_time_s=args.matchmaking_time, mode=args.mode, inner_steps=args.inner_steps,
+        blocking_rounds=args.blocking_rounds)
 
 
 # --- the planner's view --------------------------------------------------------------------------
@@ -277,6 +297,8 @@ class LabSwarm:
             round_matchmaking_s = max(5.0, 2 * NETWORK_PROFILES[plan.network_profile]["matchmaking_time_s"])
             arguments += ["--set", f"optimizer.diloco.matchmaking_time_s={round_matchmaking_s / plan.time_scale:g}",
                           "--mode", "diloco", "--inner-steps", str(plan.inner_steps)]
+            if plan.blocking_rounds:
+                arguments += ["--set", "optimizer.diloco.overlap_rounds=false"]
         return arguments
 
     def start(self, state: dict) -> list[Path]:
@@ -285,7 +307,7 @@ class LabSwarm:
         peers_file = self.run_dir / "initial_peers.txt"
         try:
             addresses = self.launcher.start_coordinator(self._in_region(first, [
-                "coordinator", "--host", regions[first]["address"], "--port", "0", "--no-state",
+                "coordinator", "--host", regions[first]["address"], "--port", "0", "--no-state", "--region", first,
                 "--state-dir", str(self.run_dir / "coordinator"), "--initial-peers-file", str(peers_file),
                 *self.training_arguments()]), peers_file)
         except LaunchError as error:
@@ -366,12 +388,35 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def prepare_run_dir(run_dir: Path) -> Path:
+    """The run's folder, without what a previous run left in it: events are appended and the coordinator's
+    address file is waited for, so a second run in the same folder would measure the first one's events and
+    hand its trainers a dead coordinator's address (its state would be restored, too)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stale = [*run_dir.glob("peer-*.jsonl"), *run_dir.glob("peer-*.log"), run_dir / "initial_peers.txt",
+             run_dir / "coordinator.log"]
+    removed = [path for path in stale if path.exists()]
+    for path in removed:
+        path.unlink()
+    if (run_dir / "coordinator").is_dir():
+        shutil.rmtree(run_dir / "coordinator")
+        removed.append(run_dir / "coordinator")
+    if removed:
+        print(f"{run_dir}: removed {len(removed)} files of a previous run", flush=True)
+    return run_dir
+
+
 def run_benchmark(args: argparse.Namespace) -> int:
 
     plan = plan_benchmark(args)
+    if getattr(args, "duration", None) is not None:
+        from geotrain.lab import churn  # a soak: time-bounded, with trainers that come and go
+
+        if args.epochs is None:
+            plan = dataclasses.replace(plan, epochs=churn.soak_epochs(plan, args.duration))
+        return churn.run_soak(args, plan)
     network.require_lab_support("up")
-    run_dir = args.run_dir or Path("runs") / time.strftime(f"bench-{plan.setup}-%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = prepare_run_dir(args.run_dir or Path("runs") / time.strftime(f"bench-{plan.setup}-%Y%m%d-%H%M%S"))
     print(f"geotrain bench {plan.setup}: {plan.peers} trainers in {', '.join(f'{r.name} x{r.peers}' for r in plan.topology.regions)}; "
           f"emulated {plan.preset} ({plan.parameters:,} parameters, {plan.samples_per_second_per_gpu:g} samples/s "
           f"per {plan.gpu}); target batch {plan.target_batch_size}; bandwidth / {plan.bandwidth_scale}, model / "

@@ -9,7 +9,7 @@ import pytest
 
 from geotrain.config import load_config
 from geotrain.lab.bench import (BenchError, LabSwarm, add_bench_arguments, bandwidth_bound_s, plan_benchmark,
-                                planner_prediction)
+                                planner_prediction, prepare_run_dir)
 
 
 def _plan(*arguments: str):
@@ -85,3 +85,14 @@ def test_the_time_scale_divides_the_network_profiles_durations_too():
     config = load_config(set_args=[a for a in arguments if "=" in a and a.startswith("optimizer.")] +
                          ["optimizer.network_profile=intercontinental"])
     assert config.optimizer.matchmaking_time_s == pytest.approx(2.5)
+
+
+def test_a_run_folder_used_before_is_cleared_of_the_previous_runs_events_and_address(tmp_path):
+    (tmp_path / "peer-1-us.jsonl").write_text('{"event": "epoch", "epoch": 4}\n')  # events are appended to
+    (tmp_path / "initial_peers.txt").write_text("/ip4/10.77.1.2/tcp/1/p2p/QmGone\n")  # a dead coordinator's
+    (tmp_path / "coordinator").mkdir()
+    (tmp_path / "coordinator" / "identity.key").write_bytes(b"old")
+    (tmp_path / "notes.txt").write_text("the operator's")
+    assert prepare_run_dir(tmp_path) == tmp_path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert prepare_run_dir(tmp_path / "new" / "run").is_dir()
