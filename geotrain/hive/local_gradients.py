@@ -61,6 +61,14 @@ class LocalGradientsKeepingAverager(GradientAverager):
         finally:
             self._starting = None
 
+    def load_state_from_peers(self, **kwargs):
+        """No download. hivemind.Optimizer loads the gradient averager's state after the training state, and a
+        gradient averager's state is its last averaged gradients: a parameter-sized transfer (a third of an AdamW
+        state, so a third more waiting over a thin link) that nobody reads, since hivemind resets the
+        accumulators after a load and the next round overwrites the averaged gradients with them. (PowerSGD's
+        averager downloads its Q matrices: geotrain.hive.powersgd.)"""
+        return None
+
     @torch.no_grad()
     def load_accumulators_into_averager_(self):
         super().load_accumulators_into_averager_()

@@ -36,6 +36,11 @@ def test_a_trainer_that_joins_after_epoch_two_loads_state_and_ends_equal(swarm):
     assert {r["epoch"] for r in results.values()} == {10}
     late_joined = [e for e in read_events(late_events) if e["event"] == "state_loaded"]
     assert late_joined and late_joined[0]["epoch"] >= 2, "the late trainer did not load the swarm's state"
+    # one transfer per load: the training state, not also hivemind's gradient buffers (parameter-sized, unread)
+    late_events_all = read_events(late_events)
+    downloads = [e for e in late_events_all if e["event"] == "state_download" and e["result"] == "ok"
+                 and e["time"] <= late_joined[0]["time"]]
+    assert len(downloads) == 1, downloads
     hashes = {r["params_sha256"] for r in results.values()}
     assert len(hashes) == 1, f"parameters differ: {results}"
     swarm_rates = {e["epoch"]: e["learning_rate"] for e in read_events(first_events) if e["event"] == "epoch"}
