@@ -33,13 +33,13 @@ def _yes(value) -> str:
 def summary_table(baseline: dict | None, churn: dict | None) -> str:
     """One row per run: throughput, rejoins (median and worst against the bound) and the three checks."""
     lines = ["| run | churn (notices/trainer/emulated h) | notices, kills, restarts | swarm samples/s | vs baseline "
-             "| rejoins | start to first epoch s (median, max) | worst ratio to bound | epochs monotonic "
-             "| checkpoints kept | parameters identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| trainer time lost | rejoins | start to first epoch s (median, max) | worst ratio to bound "
+             "| epochs monotonic | checkpoints kept | parameters identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base_rate = (baseline or {}).get("measured", {}).get("swarm_samples_per_second")
     for name, result in (("baseline", baseline), ("churn", churn)):
         if result is None:
-            lines.append(f"| {name} | did not run | | | | | | | | | |")
+            lines.append(f"| {name} | did not run | | | | | | | | | | |")
             continue
         m, done = result["measured"], [d for d in result["churn"]["done"] if d.get("result") == "done"]
         counts = ", ".join(str(sum(d["kind"] == kind for d in done)) for kind in ("notice", "kill",
@@ -49,7 +49,9 @@ def summary_table(baseline: dict | None, churn: dict | None) -> str:
         ratios = [r["first_epoch_ratio"] for r in m["rejoins"] if r["first_epoch_ratio"] is not None]
         lines.append(
             f"| {name} | {result['churn']['rate_per_trainer_emulated_hour']:g} | {counts} | {_number(rate)} | "
-            f"{_number(rate / base_rate, 2) if rate and base_rate else '-'} | {len(m['rejoins'])} | "
+            f"{_number(rate / base_rate, 2) if rate and base_rate else '-'} | "
+            f"{_number(100 * m['interruption_fraction']) + '%' if m.get('interruption_fraction') is not None else '-'} | "
+            f"{len(m['rejoins'])} | "
             f"{_number(times[len(times) // 2] if times else None)}, {_number(times[-1] if times else None)} | "
             f"{_number(max(ratios) if ratios else None, 2)} | {_yes(m['epochs_monotonic'])} | "
             f"{_yes(m['checkpoints_kept'])} | {_yes(m['parameters']['identical'])} |")

@@ -605,6 +605,23 @@ def throughput(incarnations: list[dict], warmup_epochs: int) -> dict:
     return result
 
 
+def trainer_seconds_lost(incarnations: list[dict]) -> float:
+    """Seconds that slots spent without a contributing trainer: from the bench's signal to the old process to the
+    first epoch the replacement contributed to (to the run's last epoch when it never did)."""
+    epochs = [e["time"] for i in incarnations for e in i["events"] if e["event"] == "epoch"]
+    end_s = max(epochs, default=0.0)
+    by_name = {(i["slot"], i["index"]): i for i in incarnations}
+    lost_s = 0.0
+    for incarnation in incarnations:
+        previous = by_name.get((incarnation["slot"], incarnation["index"] - 1))
+        if incarnation["index"] == 0 or previous is None or previous.get("ended_unix_s") is None:
+            continue
+        first = next((e["time"] for e in incarnation["events"] if e["event"] == "epoch" and e.get("samples", 0) > 0),
+                     end_s)
+        lost_s += max(0.0, first - previous["ended_unix_s"])
+    return lost_s
+
+
 def measure_soak(incarnations: list[dict], topology: Topology, warmup_epochs: int,
                  checkpoints_before: list[dict] | None, checkpoints_after: list[dict],
                  restored: dict | None, restart_completed: bool = True) -> dict:
@@ -616,8 +633,14 @@ def measure_soak(incarnations: list[dict], topology: Topology, warmup_epochs: in
     lost = [] if checkpoints_before is None else checkpoint_problems(checkpoints_before, checkpoints_after, restored)
     if checkpoints_before is not None and not restart_completed:
         lost.append("the coordinator's restart did not complete before the soak ended")
+    rate = throughput(incarnations, warmup_epochs)
+    slots = len({i["slot"] for i in incarnations})
+    lost_s = trainer_seconds_lost(incarnations)
     return {
-        **throughput(incarnations, warmup_epochs),
+        **rate,
+        # the share of trainer time the churn took away: [EMJ24]'s "interruption rate", as this run measured it
+        "trainer_seconds_lost": lost_s,
+        "interruption_fraction": lost_s / (slots * rate["wall_s"]) if rate.get("wall_s") and slots else None,
         "rejoins": [rejoin_record(i, topology) for i in incarnations if i["index"] > 0],
         "epochs_monotonic": not problems, "epoch_problems": problems,
         "checkpoints_kept": None if checkpoints_before is None else not lost, "checkpoint_problems": lost,
@@ -721,6 +744,9 @@ def format_soak(result: dict) -> str:
         lines.append(f"swarm samples/s {_number(m['swarm_samples_per_second'])} over epochs "
                      f"{m['measured_epochs'][0]}-{m['measured_epochs'][1]} ({_number(m['wall_s'])} s, "
                      f"{_number(m['round_s'])} s per round)")
+        if m.get("interruption_fraction") is not None:
+            lines.append(f"trainer time lost to churn: {_number(m['trainer_seconds_lost'])} s, "
+                         f"{100 * m['interruption_fraction']:.1f}% of the trainers' time (the interruption rate)")
     if m["rejoins"]:
         lines.append(f"{'rejoin':<16} {'region':<7} {'to state s':>10} {'to epoch s':>10} {'state MB':>9} "
                      f"{'donor':<7} {'bound s':>8} {'from':<6} {'epoch/bound':>11}")

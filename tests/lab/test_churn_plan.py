@@ -206,3 +206,13 @@ def test_an_incarnation_is_reported_without_its_process():
     assert data["name"] == "peer-3-eu.r1" and data["events_path"] == "/tmp/peer-3-eu.r1.jsonl"
     assert "process" not in data
     json.dumps(data)
+
+
+def test_the_trainer_time_lost_runs_from_the_notice_to_the_replacements_first_contributed_epoch():
+    incarnations = _swarm()
+    incarnations[1]["ended_unix_s"] = 24.0  # the bench's SIGTERM to peer-2-eu
+    measured = _measure(incarnations)
+    assert measured["trainer_seconds_lost"] == pytest.approx(55.0 - 24.0)  # its rejoin first contributed at t=55
+    assert measured["interruption_fraction"] == pytest.approx(31.0 / (2 * 45.0))  # 2 slots over the 45 s measured
+    del incarnations[2]["events"][-2:]  # a replacement that never contributed: lost until the run's last epoch
+    assert _measure(incarnations)["trainer_seconds_lost"] == pytest.approx(60.0 - 24.0)
