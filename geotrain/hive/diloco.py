@@ -36,8 +36,8 @@ How geotrain runs it on hivemind:
   the 1 every member sends, and a norm over 100 x ``guard.contribution_norm_factor`` times this peer's own
   (checked only when this peer did a quarter of ``inner_steps`` in the round: pseudo-gradients grow with
   a peer's inner steps and differ far more than gradients do). An average that is not finite, or whose norm is over
-  :data:`MAX_PSEUDO_GRADIENT_TO_PARAMETERS` times the parameters' norm, is refused: this peer applies its
-  own pseudo-gradient instead, and re-syncs as above.
+  :data:`MAX_PSEUDO_GRADIENT_TO_PARAMETERS` times the parameters' norm and over 100 times this peer's own
+  pseudo-gradient's, is refused: this peer applies its own pseudo-gradient instead, and re-syncs as above.
 
 Memory: the outer parameters, the outer momentum and hivemind's averaging buffer, each one fp32 copy of the
 parameters in host memory (3x the parameters' size, on the CPU); with overlapped rounds one more, the local
@@ -199,7 +199,7 @@ class OuterStateAverager(TrainingStateAverager):
         with self.get_tensors() as averaged:
             pseudo_gradients, buffers = list(averaged[:count]), list(averaged[count:])
             norm = total_norm(pseudo_gradients)
-            bound = MAX_PSEUDO_GRADIENT_TO_PARAMETERS * total_norm(self.outer_parameters)
+            bound = self.average_norm_bound()
             reason = None
             if not all_finite(pseudo_gradients) or not all_finite(buffers):
                 reason = "non-finite"
@@ -207,9 +207,10 @@ class OuterStateAverager(TrainingStateAverager):
                 reason = "norm"
             self.refused_average = reason is not None
             if reason is not None:
-                logger.warning("refused the swarm's pseudo-gradient average (%s: norm %.4g, at most %.4g: %.2g times "
-                               "the parameters' norm); stepping with this peer's own and loading the swarm's state "
-                               "next", reason, norm, bound, MAX_PSEUDO_GRADIENT_TO_PARAMETERS)
+                logger.warning("refused the swarm's pseudo-gradient average (%s: norm %.4g, at most %.4g: %g times the "
+                               "parameters' norm or %g times this peer's own pseudo-gradient's); stepping with this "
+                               "peer's own and loading the swarm's state next", reason, norm, bound,
+                               MAX_PSEUDO_GRADIENT_TO_PARAMETERS, self.contribution_norm_slack)
                 if self.guard_report is not None:
                     self.guard_report.count("pseudo_gradient", reason)
                     self.guard_report.event("pseudo_gradient_refused", peer_id=self.peer_id.to_base58(),
@@ -222,6 +223,17 @@ class OuterStateAverager(TrainingStateAverager):
                 for local_buffer, averaged_buffer in zip(self.extra_tensors, buffers):
                     local_buffer.copy_(averaged_buffer)
         self.last_pseudo_gradient_norm = total_norm(pseudo_gradients) if reason else norm
+
+    def average_norm_bound(self) -> float:
+        """The largest norm an honest round's average can have: 10 times the outer parameters' norm, or, when this
+        peer moved further (long rounds of an adaptive inner optimizer move every parameter by about its learning
+        rate per step, in a consistent direction early in training: 12.8 times the parameters' norm after 256
+        AdamW steps of the lab's emulated model), as far as the guard lets a received part be
+        (``contribution_norm_slack`` times this peer's own pseudo-gradient; an average is no larger than its
+        largest part)."""
+        own = self.own_pseudo_gradient_norm or 0.0
+        return max(MAX_PSEUDO_GRADIENT_TO_PARAMETERS * total_norm(self.outer_parameters),
+                   self.contribution_norm_slack * own if math.isfinite(own) else 0.0)
 
     @torch.no_grad()
     def apply_own_pseudo_gradient_(self) -> None:

@@ -243,3 +243,29 @@ def test_without_overlap_the_model_is_the_outer_parameters_after_a_round(dht):
             assert torch.equal(parameter.detach(), outer_parameter)
     finally:
         optimizer.shutdown()
+
+
+def test_a_long_rounds_honest_average_beyond_ten_times_the_parameters_norm_is_taken(dht):
+    # long rounds of an adaptive inner optimizer move every parameter by about its learning rate per step: the
+    # pseudo-gradient outgrows the parameters (12.8x after 256 AdamW steps of the lab's emulated model)
+    model, optimizer = build(dht, "diloco-long-round", outer_momentum=0.0)
+    try:
+        averager = optimizer.state_averager
+        outer = [p.detach().clone() for p in averager.outer_parameters]
+        parameters_norm = math.sqrt(sum(float(p.pow(2).sum()) for p in outer))
+        count = sum(p.numel() for p in outer)
+        shift = 20 * parameters_norm / math.sqrt(count)  # a pseudo-gradient 20 times the parameters' norm
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(shift)
+        averager.prepare_round()
+        with averager.get_tensors() as averaged, torch.no_grad():
+            for tensor in averaged[:len(outer)]:  # the others moved 1.5 times as far: an honest average
+                tensor.mul_(1.5)
+        averager._apply_averaging_results_()
+        assert not averager.refused_average
+        for outer_parameter, before in zip(averager.outer_parameters, outer):
+            assert torch.allclose(outer_parameter, before + 0.7 * 1.5 * shift, atol=1e-5)
+        assert averager.average_norm_bound() > MAX_PSEUDO_GRADIENT_TO_PARAMETERS * parameters_norm
+    finally:
+        optimizer.shutdown()
