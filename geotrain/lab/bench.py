@@ -434,15 +434,20 @@ def run_benchmark(args: argparse.Namespace) -> int:
         network.down(args.lab)
     measured = measure(plan, events)
     result = report(plan, measured, completed, run_dir, time.time() - started)
-    print(format_report(result), flush=True)
+    publish(args, result, format_report(result), plot_results)
+    return 0 if completed and measured.get("swarm_samples_per_second") else 1
+
+
+def publish(args: argparse.Namespace, result: dict, text: str, plot) -> None:
+    """Print a run's report, write it as JSON (--json) and draw it (--plot, with ``plot(results, path)``)."""
+    print(text, flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"results written to {args.json}", flush=True)
     if args.plot:
-        plot_results([result], args.plot)
+        plot([result], args.plot)
         print(f"plot written to {args.plot}", flush=True)
-    return 0 if completed and measured.get("swarm_samples_per_second") else 1
 
 
 def _exit_on_sigterm(signum, frame):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import random
@@ -44,7 +43,7 @@ from pathlib import Path
 
 from geotrain.events import read_events
 from geotrain.lab import network
-from geotrain.lab.bench import BenchError, BenchPlan, LabSwarm, _exit_on_sigterm, prepare_run_dir
+from geotrain.lab.bench import BenchError, BenchPlan, LabSwarm, _exit_on_sigterm, prepare_run_dir, publish
 from geotrain.lab.topology import Topology
 from geotrain.errors import EXIT_SWARM_UNREACHABLE
 from geotrain.launcher import COORDINATOR, STOP_GRACE_S, LaunchError, PeerProcess
@@ -684,14 +683,7 @@ def run_soak(args: argparse.Namespace, plan: BenchPlan) -> int:
                             checkpoint_listing(swarm.state_dir), restored,
                             restart_completed=restart is None or "up_unix_s" in restart)
     result = soak_report(plan, schedule, driver, measured, incarnations, completed, run_dir, time.time() - started)
-    print(format_soak(result), flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"results written to {args.json}", flush=True)
-    if args.plot:
-        plot_soaks([result], args.plot)
-        print(f"plot written to {args.plot}", flush=True)
+    publish(args, result, format_soak(result), plot_soaks)
     return 0 if completed and soak_passed(result) else 1
 
 
