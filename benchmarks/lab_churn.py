@@ -1,6 +1,6 @@
 """The churn soak next to its baseline: one `geotrain bench --duration` without churn, then one with it.
 
-    sudo python benchmarks/lab_churn.py --duration 600            # about 30 min on 2 cores
+    sudo python benchmarks/lab_churn.py --duration 600            # 30-40 min on 2 cores (300 s: 20 min)
     sudo python benchmarks/lab_churn.py --duration 600 --churn 3 --churn-seed 7
 
 Both runs are the same soak (setup, epochs, a coordinator that checkpoints on a fixed port; see
