@@ -409,12 +409,6 @@ def prepare_run_dir(run_dir: Path) -> Path:
 def run_benchmark(args: argparse.Namespace) -> int:
 
     plan = plan_benchmark(args)
-    if getattr(args, "duration", None) is not None:
-        from geotrain.lab import churn  # a soak: time-bounded, with trainers that come and go
-
-        if args.epochs is None:
-            plan = dataclasses.replace(plan, epochs=churn.soak_epochs(plan, args.duration))
-        return churn.run_soak(args, plan)
     network.require_lab_support("up")
     run_dir = prepare_run_dir(args.run_dir or Path("runs") / time.strftime(f"bench-{plan.setup}-%Y%m%d-%H%M%S"))
     print(f"geotrain bench {plan.setup}: {plan.peers} trainers in {', '.join(f'{r.name} x{r.peers}' for r in plan.topology.regions)}; "
