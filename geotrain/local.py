@@ -213,6 +213,7 @@ def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path
             "samples": (finished or {}).get("samples", sum(e["samples"] for e in epochs)),
             "samples_per_second": (sum(e["samples"] for e in epochs) / wall_s) if wall_s else None,
             "params_sha256": (finished or {}).get("params_sha256"),
+            "final_state_agreed": (finished or {}).get("final_state_agreed"),
             "compute_s": (finished or {}).get("compute_s", sum(e["compute_s"] for e in epochs)),
             "comm_s": (finished or {}).get("comm_s", sum(e["comm_s"] for e in epochs)),
             "data_s": (finished or {}).get("data_s", sum(e.get("data_s", 0.0) for e in epochs)),

@@ -22,6 +22,7 @@ from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
 from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.powersgd import PowerSGDKeepingAverager
+from geotrain.hive.quantization import install as install_quantization_decoder
 from geotrain.hive.rounds import averaging_round_result, round_error
 from geotrain.hive.step_guard import StepGuard, all_finite
 from geotrain.schedule import schedule_of
@@ -109,19 +110,42 @@ class RecordingStateAverager(TrainingStateAverager):
     guard_report: GuardReport | None = None  # set by geotrain.hive.guard's configured subclass
     _get_handle_name = classmethod(hivemind_handle_name)
 
+    _loading_state = False
+
     def load_state_from_peers(self, *args, **kwargs):
         epoch_before = self.local_epoch
         # the parameters the optimizer steps (offloaded or not) and the buffers (batch norm statistics)
         tensors = [p for group in self.optimizer.param_groups for p in group["params"]] + list(self.extra_tensors)
         with torch.no_grad():
             kept = [t.detach().clone() for t in tensors]  # what this peer had, should the state be poisoned
-        result = super().load_state_from_peers(*args, **kwargs)
+        self._loading_state = True
+        try:
+            result = super().load_state_from_peers(*args, **kwargs)
+        finally:
+            self._loading_state = False
         if self.local_epoch != epoch_before and not self._loaded_state_is_finite(tensors):
             self._restore(tensors, kept, epoch_before)
             return None
         if self.local_epoch != epoch_before:
             self.loaded_epoch = self.local_epoch
         return result
+
+    @torch.no_grad()
+    def _load_local_tensors_into_averager_(self):
+        """hivemind's copy of the parameters into the averaged tensors; after a state download, also the end of
+        any background averaging result not applied yet.
+
+        With the delta rule (local updates with background state averaging) a round's result is applied later as
+        ``parameters += averaged - before``, where ``before`` is the averaged tensors at the round's start. A
+        download overwrites the averaged tensors with the loaded state, so that delta became ``loaded - before``:
+        applied on top of the loaded parameters it gave ``2 x loaded - before``, neither this peer's model nor
+        the swarm's. Seen at the end of a run: a trainer took the final state, its failed last round's result
+        was applied at shutdown, and the run ended with two models. The loaded state supersedes the round.
+        """
+        super()._load_local_tensors_into_averager_()
+        if self._loading_state and self.delta_rule_averaging:
+            self._old_tensors = None  # a result that arrives later is then copied, not added (hivemind's rule)
+            self.finished_averaging_round.clear()
 
     step_guard: StepGuard | None = None  # set by build_hivemind_optimizer: holds the last good parameters
 
@@ -270,6 +294,7 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     False: no checks at all (tests' hostile peers).
     """
     opt = config.optimizer
+    install_quantization_decoder()  # before hivemind's averagers fork: they decode the parts others send
     report = guard_report if guard_report is not None else GuardReport(None)
     admission = Admission(config.swarm.run_id, load_swarm_token(config.swarm), load_allowed_peer_ids(config.swarm))
     grad_averager_options = {}

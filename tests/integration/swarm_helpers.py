@@ -106,6 +106,20 @@ class Swarm:
                 process.wait()
 
 
+def agreement_report(summary: dict) -> str:
+    """Each trainer's end of a `geotrain local` run, for an assertion's message: whether it agreed on the final
+    state, its parameters' hash, and what its log says about the agreement."""
+    lines = []
+    for peer in summary["peers"]:
+        lines.append(f"{peer['name']}: agreed {peer.get('final_state_agreed')}, parameters "
+                     f"{(peer['params_sha256'] or '-')[:16]}, exit {peer['exit_code']}")
+        log = Path(summary["run_dir"]) / f"{peer['name']}.log"
+        if log.exists():
+            lines += [f"    {line}" for line in log.read_text(errors="replace").splitlines()
+                      if "final state" in line or "agree" in line or "left the swarm" in line]
+    return "\n".join(lines)
+
+
 def run_local(directory: Path, *arguments: str, timeout_s: float = 400) -> tuple[dict, subprocess.CompletedProcess]:
     summary_path = directory / "summary.json"
     result = geotrain("local", "--run-dir", str(directory / "run"), "--json", str(summary_path), *arguments,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swarm_helpers import run_local
+from swarm_helpers import agreement_report, run_local
 
 EPOCHS = 3
 
@@ -13,7 +13,7 @@ def test_two_trainers_in_bf16_end_equal_with_a_falling_loss(tmp_path):
                                 "--precision", "bf16", "--data-workers", "0")
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     assert summary["epochs_completed"] == EPOCHS
-    assert summary["params_identical"] is True
+    assert summary["params_identical"] is True, agreement_report(summary)
     assert summary["precision"] == "bf16" and summary["device"] == "cpu"
     assert all(peer["precision"] == "bf16" for peer in summary["peers"])
     losses = summary["loss_per_epoch"]

@@ -15,7 +15,7 @@ from hivemind.optim.state_averager import initialize_optimizer_state_
 from geotrain.config import TaskConfig
 from geotrain.events import read_events
 from geotrain.tasks import build_task
-from swarm_helpers import FAST_SWARM, last_epoch, run_local, wait_for
+from swarm_helpers import FAST_SWARM, agreement_report, last_epoch, run_local, wait_for
 
 EPOCHS = 3
 PEERS = 3
@@ -43,7 +43,7 @@ def test_three_trainers_reach_the_epoch_with_identical_parameters(three_trainers
     assert [peer["epoch"] for peer in summary["peers"]] == [EPOCHS] * PEERS
     hashes = {peer["params_sha256"] for peer in summary["peers"]}
     assert len(hashes) == 1 and None not in hashes, f"parameters differ between peers: {hashes}"
-    assert summary["params_identical"] is True
+    assert summary["params_identical"] is True, agreement_report(summary)
     assert summary["samples_total"] >= EPOCHS * summary["target_batch_size"]
     assert summary["loss_last"] < 0.8 * summary["loss_first"], "the loss did not fall"
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import yaml
 
-from swarm_helpers import FAST_SWARM, run_local
+from swarm_helpers import FAST_SWARM, agreement_report, run_local
 
 PEERS = 2
 LEARNING_RATE = 0.01
@@ -47,7 +47,7 @@ def test_mode_trains_and_ends_with_identical_parameters(tmp_path, mode):
 
     assert summary["epochs_completed"] == epochs
     assert [(peer["epoch"], peer["exit_code"]) for peer in summary["peers"]] == [(epochs, 0)] * PEERS
-    assert summary["params_identical"] is True, [peer["params_sha256"] for peer in summary["peers"]]
+    assert summary["params_identical"] is True, agreement_report(summary)
 
     losses = summary["loss_per_epoch"]
     assert len(losses) == epochs and not any(math.isnan(loss) for loss in losses), losses

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm_helpers import run_local
+from swarm_helpers import agreement_report, run_local
 
 
 @pytest.mark.parametrize("task", ["nlp", "asr"])
@@ -18,5 +18,5 @@ def test_task_trains_in_a_two_peer_swarm(tmp_path, task):
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     assert summary["task"] == task
     assert summary["epochs_completed"] == 3
-    assert summary["params_identical"] is True
+    assert summary["params_identical"] is True, agreement_report(summary)
     assert summary["loss_last"] < 0.97 * summary["loss_first"], summary["loss_per_epoch"]
