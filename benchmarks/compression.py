@@ -15,6 +15,10 @@ synthetic data with fixed data seeds, ``--epochs`` epochs. What is reported per 
   whole state (hivemind's catch-up; on a busy machine sometimes every epoch), which outweighs all the
   rounds of a short run: the trainers log hivemind's state downloads (``HIVEMIND_LOGLEVEL=INFO``), and
   the medians are over the runs with none but the end-of-run one where there are such runs;
+- the averaging bytes the trainers measured (``geotrain_averaging_payload_bytes_total``, in their ``finished``
+  events): every all-reduce message of every gradient and state averaging round, counted once by the peer
+  that reduced it, per sample: the rounds alone, without the DHT's traffic (which grows with the run's
+  seconds) or state downloads, so the figure the compression acts on;
 - the gradient payload of one round: one peer's gradient vector as hivemind serialises it for the
   all-reduce with that compression (PowerSGD: its P and Q factors and the tensors it sends as they are,
   in fp16), computed from the model's shapes; in a group of N each peer sends (N - 1) / N of it and
@@ -136,12 +140,15 @@ def run_variant(variant: str, round_index: int, args, initial_peers: list[str], 
     samples = sum(f["samples"] for f in finished)
     sent = sum(sum(f["sent_bytes_by_region"].values()) for f in finished)
     received = sum(f["received_bytes"] for f in finished)
+    averaging = sum(sum(f["averaging_payload_bytes"].values()) for f in finished)
     logs = [path.read_text(errors="replace") for path in log_files]
     powersgd = [line.split("first PowerSGD round done in a group of ", 1)[1] for log in logs
                 for line in log.splitlines() if "first PowerSGD round done in a group of " in line]
     return {"samples": samples, "sent_bytes": sent, "received_bytes": received,
             "sent_bytes_per_sample": sent / samples, "received_bytes_per_sample": received / samples,
             "bytes_per_sample": max(sent, received) / samples,
+            "averaging_bytes_per_sample": averaging / samples,
+            "averaging_bytes_returned_by_trainer": [f["averaging_payload_bytes"]["sent"] for f in finished],
             "state_downloads": state_downloads(events),
             "loss_per_epoch": losses, "final_loss": losses[-1],
             "params_identical": len({f["params_sha256"] for f in finished}) == 1,
@@ -178,7 +185,8 @@ def main() -> None:
                 for variant in order:
                     result = run_variant(variant, round_index, args, initial_peers, directory)
                     results[variant].append(result)
-                    print(f"round {round_index + 1}: {variant:<12} {result['bytes_per_sample']:8.0f} bytes/sample "
+                    print(f"round {round_index + 1}: {variant:<12} {result['averaging_bytes_per_sample']:8.0f} averaging "
+                          f"bytes/sample, {result['bytes_per_sample']:8.0f} on the wire "
                           f"(sent {result['sent_bytes_per_sample']:.0f}, received "
                           f"{result['received_bytes_per_sample']:.0f}), final loss {result['final_loss']:.4f}, "
                           f"{result['failed_gradient_rounds']} failed rounds, {result['state_downloads']} state "
@@ -194,10 +202,15 @@ def main() -> None:
         return statistics.median(values)
 
     fp16_bytes = median([r["bytes_per_sample"] for r in clean(results["fp16"])]) if "fp16" in results else None
+    fp16_averaging = median([r["averaging_bytes_per_sample"] for r in results["fp16"]]) if "fp16" in results else None
     summary = {}
     for variant, runs in results.items():
         bytes_per_sample = median([r["bytes_per_sample"] for r in clean(runs)])
+        averaging_per_sample = median([r["averaging_bytes_per_sample"] for r in runs])
         summary[variant] = {
+            "averaging_bytes_per_sample_median": averaging_per_sample,
+            "averaging_bytes_per_sample_vs_fp16": averaging_per_sample / fp16_averaging if fp16_averaging else None,
+            "every_trainer_returned_averages": all(min(r["averaging_bytes_returned_by_trainer"]) > 0 for r in runs),
             "gradient_payload_bytes_per_round": payload[variant],
             "gradient_payload_vs_fp16": payload[variant] / payload["fp16"] if "fp16" in payload else None,
             "bytes_per_sample_median": bytes_per_sample,
@@ -208,7 +221,8 @@ def main() -> None:
         }
     report = {
         "benchmark": "compression",
-        "what": "bytes on the wire per trained sample (whole run, the larger of the trainers' sent and received "
+        "what": "averaging bytes per trained sample (every all-reduce message, counted once by its reducer), "
+                "bytes on the wire per trained sample (whole run, the larger of the trainers' sent and received "
                 "totals) and final loss, per gradient compression, same swarm and data",
         "setup": {"peers": args.peers, "task": "cv", "preset": "tiny",
                   "parameters": sum(p.numel() for p in model.parameters()),
@@ -222,10 +236,11 @@ def main() -> None:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print("variant       payload/round  vs fp16   bytes/sample  vs fp16  final loss")
+    print("variant       payload/round  vs fp16  averaging B/sample  vs fp16   wire B/sample  vs fp16  final loss")
     for variant, row in summary.items():
         print(f"{variant:<13} {row['gradient_payload_bytes_per_round']:>13,}"
-              f"  {row['gradient_payload_vs_fp16'] or 0:7.3f}  {row['bytes_per_sample_median']:>12,.0f}"
+              f"  {row['gradient_payload_vs_fp16'] or 0:7.3f}  {row['averaging_bytes_per_sample_median']:>18,.0f}"
+              f"  {row['averaging_bytes_per_sample_vs_fp16'] or 0:7.3f}  {row['bytes_per_sample_median']:>13,.0f}"
               f"  {row['bytes_per_sample_vs_fp16'] or 0:7.3f}  {row['final_loss_median']:10.4f}")
     print(f"written to {args.output}")
 

@@ -40,7 +40,7 @@ from geotrain.events import EventLog
 from geotrain.hive.dht import start_dht, visible_addresses
 from geotrain.hive.finalize import agree_on_final_state
 from geotrain.hive.keys import announce_trainer, announced_trainers, best_donor_epoch, read_progress
-from geotrain.hive.leave import leave_swarm
+from geotrain.hive.leave import leave_swarm, withdraw_from_rounds
 from geotrain.hive.guard import GuardReport
 from geotrain.hive.optimizer import build_hivemind_optimizer
 from geotrain.hive.state import current_learning_rate, parameters_sha256
@@ -155,6 +155,7 @@ class Trainer:
         if config.optimizer.mode == "diloco":
             optimizer.on_outer_round = partial(self._on_outer_round, peer_id)
         stopper.reclaim_signals()  # hivemind's averagers set SIGINT to SIG_IGN in this process
+        stopper.on_stop(partial(withdraw_from_rounds, optimizer))  # no new group may count on a leaving peer
         self.reporter = MetricsReporter(dht, config.swarm.run_id, "trainer", config.metrics, self.progress, self.metrics)
         self.reporter.start()
         agreed = False
@@ -192,6 +193,7 @@ class Trainer:
                           params_sha256=params_sha256, final_state_agreed=agreed, stopped_by_request=result.stopped_by_request,
                           sent_bytes_by_region=self.reporter.sent_bytes_by_region,
                           received_bytes=self.reporter.received_bytes_total,
+                          averaging_payload_bytes=self.guard_report.averaging_bytes(),
                           stop_reason=stopper.reason, seconds_since_stop_request=since_stop_s)
         logger.info("left the swarm at epoch %d after %d samples%s (parameters sha256 %s)",
                     result.epoch, totals.samples,
@@ -317,6 +319,8 @@ class Trainer:
                 epoch_totals.data_s += compute_started - data_started
                 epoch_totals.compute_s += comm_started - compute_started
                 continue
+            if stop.is_set():
+                break  # no step after a stop request: it could start a round that the swarm would wait for
             communication_before_s = optimizer.blocking_communication_s if diloco else 0.0
             optimizer.step()
             optimizer.zero_grad()

@@ -55,6 +55,11 @@ COUNTED = (
     ("pseudo_gradient", "non-finite"), ("pseudo_gradient", "norm"),
 )
 
+# the payload of the all-reduce that this peer reduces (Prometheus: geotrain_averaging_payload_bytes_total{direction}):
+# summed over the swarm, every byte of every averaging round that crossed between peers, counted once (by its
+# reducer); what the compression changes, without the DHT's and the state downloads' traffic
+AVERAGING_DIRECTIONS = ("received", "sent")
+
 
 class ContributionRefused(Exception):
     """A remote sender's gradient part failed a check; raised inside hivemind's reading of its stream."""
@@ -114,6 +119,7 @@ class GuardReport:
         self._allowed_donors = multiprocessing.Array("c", self.ALLOWED_DONORS * SharedBans.SLOT_BYTES, lock=True)
         self._last_donor = multiprocessing.Array("c", 2 * SharedBans.SLOT_BYTES + 1, lock=True)
         self.downloads = DownloadProgress()
+        self._averaging_bytes = multiprocessing.Array("q", len(AVERAGING_DIRECTIONS), lock=True)
 
     ALLOWED_DONORS = 64
 
@@ -147,6 +153,18 @@ class GuardReport:
     def counts(self) -> dict[tuple[str, str], int]:
         with self._counts.get_lock():
             return {key: int(value) for key, value in zip(COUNTED, self._counts[:])}
+
+    def count_averaging_bytes(self, direction: str, size_bytes: int) -> None:
+        """Averaging messages this peer handled as a reducer of an all-reduce: the parts that other peers sent
+        it (``received``) and the averages it returned (``sent``)."""
+        index = AVERAGING_DIRECTIONS.index(direction)
+        with self._averaging_bytes.get_lock():
+            self._averaging_bytes[index] += size_bytes
+
+    def averaging_bytes(self) -> dict[str, int]:
+        """Bytes of averaging messages by direction, as :meth:`count_averaging_bytes` counted them."""
+        with self._averaging_bytes.get_lock():
+            return dict(zip(AVERAGING_DIRECTIONS, (int(value) for value in self._averaging_bytes[:])))
 
     def event(self, event: str, **fields) -> None:
         if self.events_path is None:
@@ -279,14 +297,20 @@ class GuardedAveragerMixin:
             self._guard_refuse_request(context.remote_id, "aggregate", reason)
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
+        report = self.guard_report
         async for response in super().rpc_aggregate_part(self._guard_checked(stream, context.remote_id), context):
+            if report is not None:
+                report.count_averaging_bytes("sent", response.ByteSize())
             yield response
 
     async def _guard_checked(self, stream, sender):
         """The sender's stream of parts, each checked before hivemind's reducer reads it."""
         runner = None
         part_index = 0
+        report = self.guard_report
         async for message in stream:
+            if report is not None:
+                report.count_averaging_bytes("received", message.ByteSize())
             if runner is None and message.group_id:
                 if message.group_id not in self._running_groups:
                     await self._pending_groups_registered.wait()

@@ -168,19 +168,27 @@ class _GuardCollector:
         self.labels = labels
 
     def describe(self):
-        return [self._family()]
+        return list(self._families())
 
-    def _family(self):
-        return CounterMetricFamily(
+    def _families(self):
+        refusals = CounterMetricFamily(
             "geotrain_guard_refusals", "What this peer refused from other peers or skipped itself, by what "
             "(contribution, join_group, aggregate, download_state, step, microstep, parameters) and reason",
             labels=[*self.labels, "what", "reason"])
+        averaging = CounterMetricFamily(
+            "geotrain_averaging_payload_bytes", "All-reduce messages of the averaging rounds this peer reduced, by "
+            "direction: the parts other peers sent it (received) and the averages it returned (sent); summed over "
+            "the swarm, every averaging byte exchanged between peers once", labels=[*self.labels, "direction"])
+        return refusals, averaging
 
     def collect(self):
-        family = self._family()
+        refusals, averaging = self._families()
         for (what, reason), count in self.report.counts().items():
-            family.add_metric([*self.labels.values(), what, reason], count)
-        yield family
+            refusals.add_metric([*self.labels.values(), what, reason], count)
+        for direction, size_bytes in self.report.averaging_bytes().items():
+            averaging.add_metric([*self.labels.values(), direction], size_bytes)
+        yield refusals
+        yield averaging
 
 
 class _DownloadCollector:
