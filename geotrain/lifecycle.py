@@ -51,6 +51,7 @@ class Stopper:
         self._owner_pid = os.getpid()
         self._lock = threading.Lock()
         self._handlers_installed = False
+        self._on_stop: list = []
 
     def install_signal_handlers(self) -> "Stopper":
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -87,6 +88,15 @@ class Stopper:
             self._force_exit()
         self.request_stop(f"{name} received", self.deadline_s)
 
+    def on_stop(self, callback) -> None:
+        """Call ``callback()`` as soon as a stop is requested (at once if one was), in a thread of its own:
+        for what must not wait until the training loop notices, such as leaving matchmaking."""
+        with self._lock:
+            self._on_stop.append(callback)
+            requested = self.stop.is_set()
+        if requested:
+            self._run_callbacks([callback])
+
     def request_stop(self, reason: str, deadline_s: float, exit_code: int | None = None) -> None:
         with self._lock:
             if self.stop.is_set():
@@ -97,9 +107,23 @@ class Stopper:
             self.exit_code = exit_code
             logger.info("%s: leaving the swarm (at most %.0f s)", reason, deadline_s)
             self.stop.set()
+            callbacks = list(self._on_stop)
         watchdog = threading.Timer(deadline_s, self._deadline_passed, args=(deadline_s,))
         watchdog.daemon = True
         watchdog.start()
+        self._run_callbacks(callbacks)
+
+    @staticmethod
+    def _run_callbacks(callbacks) -> None:
+        def run() -> None:
+            for callback in callbacks:
+                try:
+                    callback()
+                except Exception as error:  # leaving anyway: the training loop stops at its next micro-step
+                    logger.warning("while stopping: %s", error)
+
+        if callbacks:
+            threading.Thread(target=run, name="on-stop", daemon=True).start()
 
     def seconds_left(self, default_s: float) -> float:
         """Time left before the watchdog fires, or ``default_s`` when no stop was requested."""

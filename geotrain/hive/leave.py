@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 
+from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from geotrain.hive.keys import progress_key
@@ -52,3 +53,35 @@ def leave_swarm(dht, optimizer, run_id: str, stopper: Stopper, reporter=None) ->
     if shutdown.is_alive():
         logger.warning("hivemind's optimizer did not shut down within %.0f s; leaving without it", budget_s)
     dht.shutdown()
+
+
+def withdraw_from_rounds(optimizer) -> list[str]:
+    """When a stop is requested: leave the averaging rounds that have not begun, at once.
+
+    A round of this peer that is still looking for a group is cancelled: otherwise the others may form
+    their next group with it, and a peer that is then gone (its stop deadline passed, or its process ended)
+    makes that group wait the whole averaging timeout for its part. Seen in the churn soak: a trainer
+    whose notice came while it looked for a group (an epoch behind, its matchmaking retrying) was stopped
+    at its deadline 20 s later, just after it joined the others' next group; they waited 75 s and stepped
+    alone. A round whose group has formed but is waiting for this peer's trigger goes on at weight 0, so
+    its group completes without this peer's gradients (what hivemind's shutdown does, but at once rather
+    than when the training loop gets there); a running all-reduce is left to finish. A training loop
+    blocked on a cancelled round gets its failure and steps with its own gradients, then sees the stop.
+    Returns what it did to each round, for the log.
+    """
+    done = []
+    for name in ("scheduled_grads", "scheduled_state"):
+        control = getattr(optimizer, name, None)
+        if control is None or control.done():
+            continue
+        stage = control.stage
+        if stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+            control.cancel()
+            done.append(f"{name}: cancelled while {stage.name.lower().replace('_', ' ')}")
+        elif stage == AveragingStage.AWAITING_TRIGGER and not control.triggered:
+            control.weight = 0
+            control.allow_allreduce()
+            done.append(f"{name}: goes on at weight 0")
+    if done:
+        logger.info("left the averaging rounds that had not begun (%s)", "; ".join(done))
+    return done
