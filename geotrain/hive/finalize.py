@@ -79,20 +79,6 @@ def _wait_for_followers(dht, run_id: str, peer_id: str, sha256: str, epoch: int,
     return False
 
 
-def _finish_background_rounds(state_averager, timeout_s: float) -> None:
-    """Wait for this peer's background state averaging (local updates, delayed updates) and apply what it
-    brought, before its parameters are compared or replaced: hivemind's own wait gives up after the all-reduce
-    timeout, and a round that ends later (a matchmaking that finds no group takes longer) is applied when the
-    optimizer shuts down, after the agreement."""
-    deadline = time.monotonic() + timeout_s
-    for pending in list(state_averager.pending_updates):
-        try:
-            pending.result(timeout=max(0.0, deadline - time.monotonic()))
-        except Exception as error:  # a failed or late round: hivemind logs it; the agreement goes on
-            logger.debug("background state averaging did not finish: %r", error)
-    state_averager.step(wait_for_delayed_updates=True)
-
-
 def agreement_timeout_s(optimizer, timeout_s: float) -> float:
     """``timeout_s``, or two state transfers at the minimum download rate when that is longer (at most
     MAX_AGREEMENT_S: the agreement's records must not outlive the DHT's one-hour limit)."""
@@ -112,7 +98,9 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
     peer_id = str(dht.peer_id)
     timeout_s = agreement_timeout_s(optimizer, timeout_s)
     expected_peers = optimizer.tracker.global_progress.num_peers  # trainers the swarm counted in the last epoch
-    _finish_background_rounds(optimizer.state_averager, timeout_s)
+    # (hivemind waits for a background state round up to the all-reduce timeout; one that ends later and is
+    # applied at shutdown cannot undo a state this peer loads below: RecordingStateAverager)
+    optimizer.state_averager.step(wait_for_delayed_updates=True)
     _store(dht, run_id, peer_id, {"role": "candidate", "sha256": parameters_sha256(model), "epoch": epoch,
                                   "client_mode": client_mode, "region": region}, timeout_s)
 
