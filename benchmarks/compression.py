@@ -13,8 +13,8 @@ synthetic data with fixed data seeds, ``--epochs`` epochs. What is reported per 
   samples loses its last bytes at that end (seen: the end-of-run transfer missing at its sender). The
   larger of the two totals is ``bytes_per_sample``. A trainer that falls an epoch behind downloads the
   whole state (hivemind's catch-up; on a busy machine sometimes every epoch), which outweighs all the
-  rounds of a short run: the trainers log hivemind's state downloads (``HIVEMIND_LOGLEVEL=INFO``), and
-  the medians are over the runs with none but the end-of-run one where there are such runs;
+  rounds of a short run: each download is a ``state_download`` event of its trainer, and the wire medians
+  are over the runs with none but the end-of-run one where there are such runs;
 - the averaging bytes the trainers measured (``geotrain_averaging_payload_bytes_total``, in their ``finished``
   events): every all-reduce message of every gradient and state averaging round, counted once by the peer
   that reduced it, per sample: the rounds alone, without the DHT's traffic (which grows with the run's
