@@ -20,7 +20,9 @@ from geotrain.config import GeotrainConfig
 from geotrain.hive.diloco import OuterStateAverager, diloco_optimizer_class
 from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm_token
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
+from geotrain.hive.keys import swarm_epoch_and_trainers
 from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
+from geotrain.hive.missed_round import watch_round
 from geotrain.hive.powersgd import PowerSGDKeepingAverager
 from geotrain.hive.quantization import install as install_quantization_decoder
 from geotrain.hive.rounds import averaging_round_result, round_error
@@ -217,6 +219,8 @@ class MeasuredOptimizer(hivemind.Optimizer):
     """
 
     on_averaging_round = None  # callable(result, duration_s)
+    missed_round_check_s = 1.0  # how often a round looking for a group reads the swarm's progress
+    _missed_round_of_epoch = None  # the epoch of a round given up because the swarm had stepped past it
     _round_being_used = None  # the StepControl whose results _average_gradients_and_load_into_optimizer uses
 
     state_averager_class: type = RecordingStateAverager
@@ -231,6 +235,32 @@ class MeasuredOptimizer(hivemind.Optimizer):
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
+    def _should_load_state_from_peers(self) -> bool:
+        """hivemind's rule, and: a peer that missed the swarm's gradient round of its epoch loads the state.
+
+        hivemind checks a peer's epoch against the swarm's once per epoch, at its first step after a fresh look
+        at the swarm's progress; otherwise it tolerates one epoch behind, and a peer one behind begins a round
+        at once. That round cannot be the one it missed (the swarm's has ended, and rounds carry no epoch): it
+        joins the swarm's next round, ends it one epoch behind again, and stays there. Seen in the lab
+        (tests/lab/test_lab_state_transfer.py): a trainer that missed one group spent four epochs contributing
+        a micro-batch each, then waited the whole averaging timeout at the end in a round no one else joined.
+        Without delayed updates, a peer that took part in the swarm's round is still in it when the swarm's
+        epoch moves on, so one epoch behind at a step means the round was missed. With delayed updates the
+        others move their epoch on when they start the round, so one behind is also the normal way into a
+        round: hivemind's rule alone. A round given up by :func:`~geotrain.hive.missed_round.watch_round`
+        is a missed round too.
+        """
+        if super()._should_load_state_from_peers():
+            return True
+        missed = self._missed_round_of_epoch
+        self._missed_round_of_epoch = None
+        if missed is None and (self.auxiliary or not self.use_gradient_averaging or self.delay_grad_averaging
+                               or self.tracker.global_epoch <= self.local_epoch):
+            return False
+        logger.info("this peer missed the swarm's averaging round of epoch %d (the swarm is at epoch %d): loading "
+                    "the swarm's state", self.local_epoch if missed is None else missed, self.tracker.global_epoch)
+        return True
+
     def load_state_from_peers(self, **kwargs):
         result = super().load_state_from_peers(**kwargs)
         # hivemind moves a peer that loaded a state one epoch old up to the swarm's epoch ("catching up") without
@@ -241,6 +271,9 @@ class MeasuredOptimizer(hivemind.Optimizer):
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         started = time.perf_counter()
         self._round_being_used = maybe_step_control
+        given_up = []
+        if maybe_step_control is not None:
+            self._watch_for_a_missed_round(maybe_step_control, given_up)
         try:
             super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         finally:
@@ -249,12 +282,33 @@ class MeasuredOptimizer(hivemind.Optimizer):
             return
         result = averaging_round_result(maybe_step_control)
         duration_s = time.perf_counter() - started
-        if result != "ok":
+        if given_up:
+            logger.info("gave up the gradient averaging round of epoch %d after %.1f s: the swarm had stepped past "
+                        "it without this peer", given_up[0], duration_s)
+        elif result != "ok":
             logger.warning("gradient averaging round %s after %.1f s; this peer stepped with its own gradients "
                            "of the epoch (%s)", "timed out" if result == "timeout" else "failed", duration_s,
                            round_error(maybe_step_control))
         if self.on_averaging_round is not None:
             self.on_averaging_round(result, duration_s)
+
+    def _watch_for_a_missed_round(self, control, given_up: list) -> None:
+        """Give ``control`` up while it looks for a group the swarm no longer forms (:mod:`.missed_round`).
+
+        Without delayed updates the others move to the next epoch when their round has ended; with them, when
+        it starts (and this peer's epoch has moved on already), so only two epochs on means it is over.
+        """
+        round_epoch = self.local_epoch - 1 if self.delay_grad_averaging else self.local_epoch
+        past_it = round_epoch + (2 if self.delay_grad_averaging else 1)
+
+        def swarm_has_moved_on() -> bool:
+            return swarm_epoch_and_trainers(self.dht, self.run_id)[0] >= past_it
+
+        def on_given_up() -> None:
+            given_up.append(round_epoch)
+            self._missed_round_of_epoch = round_epoch
+
+        watch_round(control, swarm_has_moved_on, self.missed_round_check_s, on_given_up)
 
     def _load_local_gradients_into_optimizer(self):
         """hivemind's fallback to local gradients, with this peer's kept gradients when its round had started."""
@@ -322,7 +376,8 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
             "pseudo_gradient_bytes": sum(p.numel() for p in model.parameters()) * BYTES_PER_VALUE[opt.grad_compression]})
     else:
         optimizer_class = type("GuardedMeasuredOptimizer", (MeasuredOptimizer,),
-                               {"state_averager_class": state_averager_class})
+                               {"state_averager_class": state_averager_class,
+                                "missed_round_check_s": max(1.0, opt.progress_refresh_s)})
     # DiLoCo's inner steps apply this peer's own gradients (checked by the trainer); its check is on the
     # averaged pseudo-gradient (geotrain.hive.diloco)
     step_guard = StepGuard(config.guard, report, peer_id=str(dht.peer_id)) if checked and not diloco else None

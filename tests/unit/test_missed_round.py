@@ -1,0 +1,165 @@
+"""A sync-mode trainer that missed the swarm's gradient round loads the swarm's state (geotrain.hive.optimizer).
+
+Two real trainers' optimizers (geotrain's build, sync mode, loopback) on a DHT of two nodes; the donor
+moved on to epoch 1 (its state and its progress record say so). hivemind alone tolerates one epoch behind:
+a peer there begins a round at once, which joins the swarm's next round, ends it one epoch behind again,
+and stays so; a peer still looking for a group the swarm no longer forms waits the whole averaging timeout
+(both seen in tests/lab/test_lab_state_transfer.py). geotrain loads the state instead, and gives such a
+round up (geotrain.hive.missed_round). (Both trainers live in one process, so they share hivemind's
+progress-record key: the tests set each situation up rather than train into it.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
+
+from geotrain.config import load_config
+from geotrain.hive.missed_round import watch_round
+from geotrain.hive.optimizer import build_hivemind_optimizer
+
+RUN_ID = "missed-round"
+
+
+def sync_config(*extra: str):
+    return load_config(set_args=["optimizer.network_profile=loopback", "optimizer.batch_size_per_step=4",
+                                 "optimizer.target_batch_size=64", "optimizer.optimizer=sgd",
+                                 "optimizer.average_state_every=1000", f"swarm.run_id={RUN_ID}", *extra])
+
+
+@pytest.fixture
+def trainers():
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                          initial_peers=[str(a) for a in first.get_visible_maddrs()])
+    made = []
+    for dht, value in ((first, 1.0), (second, 0.0)):
+        model = torch.nn.Linear(4, 2)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.fill_(value)
+        made.append((model, build_hivemind_optimizer(sync_config(), dht, model)))
+    yield made
+    for _, optimizer in made:
+        optimizer.shutdown()
+    second.shutdown()
+    first.shutdown()
+
+
+def wait_until(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def donor_moves_to_epoch_one(optimizer) -> None:
+    """What a trainer is after the swarm's round of epoch 0 (its state and its progress record)."""
+    optimizer.state_averager.local_epoch = 1
+    optimizer.state_averager.state_sharing_priority = 1
+    optimizer.grad_averager.state_sharing_priority = 1
+    with optimizer.tracker.pause_updates():
+        optimizer.tracker.update_epoch(1)
+    optimizer.tracker.report_local_progress(1, 4)  # (hivemind publishes a record once it has samples)
+
+
+def backward(model) -> None:
+    model.zero_grad()
+    model(torch.ones(4, 4)).sum().backward()
+
+
+def step(model, optimizer) -> None:
+    backward(model)
+    optimizer.step()
+
+
+def test_a_trainer_one_epoch_behind_loads_the_state_instead_of_starting_a_round(trainers):
+    (donor_model, donor), (model, optimizer) = trainers
+    wait_until(lambda: optimizer.tracker.fetched_global_progress_this_epoch.is_set(), "a look at the swarm")
+    optimizer._should_check_synchronization_on_update = False  # hivemind's check of this epoch has run
+    donor_moves_to_epoch_one(donor)
+    wait_until(lambda: optimizer.tracker.global_epoch == 1, "the donor's epoch 1 in the progress records")
+    assert optimizer.tracker.ready_to_update_epoch, "hivemind would begin this epoch's round now"
+
+    backward(model)
+    optimizer.step()
+
+    assert optimizer.local_epoch == 1
+    assert optimizer.scheduled_grads is None, "a gradient round was started"
+    for parameter, donor_parameter in zip(model.parameters(), donor_model.parameters()):
+        assert torch.equal(parameter, donor_parameter), "the donor's state was not loaded"
+
+
+def test_a_trainer_at_the_swarms_epoch_steps_on_without_a_download(trainers):
+    (_, donor), (model, optimizer) = trainers
+    wait_until(lambda: optimizer.tracker.fetched_global_progress_this_epoch.is_set(), "a look at the swarm")
+    optimizer._should_check_synchronization_on_update = False
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+
+    backward(model)
+    optimizer.step()
+
+    assert optimizer.local_epoch == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), "the state was replaced"
+    assert optimizer.tracker.local_progress.samples_accumulated == 4, "this micro-batch was not accumulated"
+
+
+
+def looking_for_a_group() -> StepControl:
+    # plain futures first: hivemind sets its futures' backend up on the class of the first future a process
+    # makes, and only MPFuture's own serves them all (in a peer the DHT's futures come first)
+    trigger, cancel = MPFuture(), MPFuture()
+    control = StepControl(scheduled_time=get_dht_time(), deadline=get_dht_time() + 60, allow_retries=True,
+                          weight=32.0, data_for_gather=b"")
+    control.attach(trigger, cancel)
+    control.stage = AveragingStage.LOOKING_FOR_GROUP
+    return control
+
+
+def test_a_round_looking_for_a_group_the_swarm_has_stepped_past_is_given_up(trainers):
+    (_, donor), (_, optimizer) = trainers
+    control, given_up = looking_for_a_group(), []
+    optimizer._watch_for_a_missed_round(control, given_up)  # this peer's round of epoch 0
+    time.sleep(2 * optimizer.missed_round_check_s)
+    assert not control.done(), "given up while the swarm was still at the round's epoch"
+
+    donor_moves_to_epoch_one(donor)  # the swarm had its round of epoch 0 without this peer
+
+    wait_until(control.cancelled, "the round to be given up")
+    assert given_up == [0] and optimizer._missed_round_of_epoch == 0
+
+
+def test_a_round_that_has_its_group_is_left_alone():
+    control, moved_on = looking_for_a_group(), threading.Event()
+    watch_round(control, moved_on.is_set, period_s=0.1, on_given_up=lambda: None)
+    control.stage = AveragingStage.AWAITING_TRIGGER  # the others are in it with this peer
+    moved_on.set()
+    time.sleep(0.5)
+    assert not control.cancelled()
+
+
+def test_after_a_round_given_up_the_next_step_loads_the_swarms_state(trainers):
+    (donor_model, donor), (model, optimizer) = trainers
+    donor_moves_to_epoch_one(donor)
+    wait_until(lambda: optimizer.tracker.global_epoch == 1, "the donor's epoch 1 in the progress records")
+    # where a given-up round leaves a peer: stepped with its own gradients into the swarm's epoch
+    optimizer.state_averager.local_epoch = 1
+    with optimizer.tracker.pause_updates():
+        optimizer.tracker.update_epoch(1)
+    optimizer._should_check_synchronization_on_update = False
+    optimizer._missed_round_of_epoch = 0
+
+    step(model, optimizer)
+
+    for parameter, donor_parameter in zip(model.parameters(), donor_model.parameters()):
+        assert torch.equal(parameter, donor_parameter), "the donor's state was not loaded"
+    assert optimizer._missed_round_of_epoch is None
