@@ -79,6 +79,19 @@ def _wait_for_followers(dht, run_id: str, peer_id: str, sha256: str, epoch: int,
     return False
 
 
+def not_heard_from(progress_epochs: dict[str, int], records: dict[str, dict], candidates: set[str],
+                   excluded: set[str], epoch: int) -> set[str]:
+    """Peers at the last epoch (by their progress records) that have not said they take part: the settle waits.
+
+    A peer that already took the final state says so too (its record's role is "synced"): it is not waited for.
+    (It was, until the settle time ran out: 30 s at the end of a run whose fastest follower had synced before
+    the finalizer looked.)
+    """
+    synced = {pid for pid, record in records.items() if record.get("role") == "synced"}
+    return {pid for pid, peer_epoch in progress_epochs.items()
+            if peer_epoch >= epoch and pid not in excluded and pid not in candidates and pid not in synced}
+
+
 def agreement_timeout_s(optimizer, timeout_s: float) -> float:
     """``timeout_s``, or two state transfers at the minimum download rate when that is longer (at most
     MAX_AGREEMENT_S: the agreement's records must not outlive the DHT's one-hour limit)."""
@@ -129,8 +142,8 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
         candidates = {pid: r for pid, r in records.items()
                       if pid not in excluded and r.get("epoch", -1) >= epoch and r.get("role") != "synced"}
         candidates[peer_id] = own
-        waiting_for = {pid for pid, p in read_progress(dht, run_id).items()
-                       if p.epoch >= epoch and pid not in excluded and pid not in candidates}
+        waiting_for = not_heard_from({pid: p.epoch for pid, p in read_progress(dht, run_id).items()}, records,
+                                     set(candidates), excluded, epoch)
         if not waiting_for or time.monotonic() > settle_deadline:
             break
         time.sleep(POLL_S)
