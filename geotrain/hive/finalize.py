@@ -67,7 +67,8 @@ def _wait_for_followers(dht, run_id: str, peer_id: str, sha256: str, epoch: int,
         records = _final_records(dht, run_id)
         synced = {pid for pid, r in records.items() if r.get("role") == "synced" and r["sha256"] == sha256}
         others |= {pid for pid, r in records.items() if r.get("epoch", -1) >= epoch and r.get("role") == "candidate"}
-        others |= {pid for pid, p in read_progress(dht, run_id).items() if p.epoch >= epoch - 1}
+        # (a peer past the last epoch trains on, under another max_epochs or none: it takes no part here)
+        others |= {pid for pid, p in read_progress(dht, run_id).items() if epoch - 1 <= p.epoch <= epoch}
         others -= excluded | not_followers
         enough = len(synced - not_followers) >= expected_peers - len(not_followers) - len(excluded) or \
             time.monotonic() > settle_deadline
@@ -85,11 +86,11 @@ def not_heard_from(progress_epochs: dict[str, int], records: dict[str, dict], ca
 
     A peer that already took the final state says so too (its record's role is "synced"): it is not waited for.
     (It was, until the settle time ran out: 30 s at the end of a run whose fastest follower had synced before
-    the finalizer looked.)
+    the finalizer looked.) Nor is a peer past the last epoch: it trains on, under another ``max_epochs``.
     """
     synced = {pid for pid, record in records.items() if record.get("role") == "synced"}
     return {pid for pid, peer_epoch in progress_epochs.items()
-            if peer_epoch >= epoch and pid not in excluded and pid not in candidates and pid not in synced}
+            if peer_epoch == epoch and pid not in excluded and pid not in candidates and pid not in synced}
 
 
 def agreement_timeout_s(optimizer, timeout_s: float) -> float:

@@ -20,3 +20,7 @@ def test_candidates_banned_peers_and_peers_behind_are_not_waited_for():
     progress = {"me": LAST_EPOCH, "candidate": LAST_EPOCH, "banned": LAST_EPOCH, "behind": LAST_EPOCH - 1}
     records = {"candidate": {"role": "candidate", "epoch": LAST_EPOCH}}
     assert not_heard_from(progress, records, {"me", "candidate"}, {"banned"}, LAST_EPOCH) == set()
+
+
+def test_a_peer_past_the_last_epoch_trains_on_and_is_not_waited_for():
+    assert not_heard_from({"me": LAST_EPOCH, "on": LAST_EPOCH + 1}, {}, {"me"}, set(), LAST_EPOCH) == set()
