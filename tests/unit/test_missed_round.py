@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 
-import hivemind
 import pytest
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
@@ -23,34 +22,21 @@ from hivemind.utils.mpfuture import MPFuture
 
 from geotrain.config import load_config
 from geotrain.hive.missed_round import watch_round
-from geotrain.hive.optimizer import build_hivemind_optimizer
+from optimizer_pair import optimizer_pair
 
 RUN_ID = "missed-round"
 
 
-def sync_config(*extra: str):
+def sync_config():
     return load_config(set_args=["optimizer.network_profile=loopback", "optimizer.batch_size_per_step=4",
                                  "optimizer.target_batch_size=64", "optimizer.optimizer=sgd",
-                                 "optimizer.average_state_every=1000", f"swarm.run_id={RUN_ID}", *extra])
+                                 "optimizer.average_state_every=1000", f"swarm.run_id={RUN_ID}"])
 
 
 @pytest.fixture
 def trainers():
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                          initial_peers=[str(a) for a in first.get_visible_maddrs()])
-    made = []
-    for dht, value in ((first, 1.0), (second, 0.0)):
-        model = torch.nn.Linear(4, 2)
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.fill_(value)
-        made.append((model, build_hivemind_optimizer(sync_config(), dht, model)))
-    yield made
-    for _, optimizer in made:
-        optimizer.shutdown()
-    second.shutdown()
-    first.shutdown()
+    with optimizer_pair(sync_config()) as made:
+        yield made
 
 
 def wait_until(condition, what: str, timeout_s: float = 30) -> None:

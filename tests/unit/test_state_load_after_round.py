@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import time
 
-import hivemind
 import pytest
 import torch
 
 from geotrain.config import load_config
-from geotrain.hive.optimizer import build_hivemind_optimizer
+from optimizer_pair import optimizer_pair
 
 RUN_ID = "state-load-after-round"
 
@@ -30,21 +29,8 @@ def local_updates_config():
 
 @pytest.fixture
 def trainers():
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                          initial_peers=[str(a) for a in first.get_visible_maddrs()])
-    made = []
-    for dht, value in ((first, 1.0), (second, 0.0)):
-        model = torch.nn.Linear(4, 2)
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.fill_(value)
-        made.append((model, build_hivemind_optimizer(local_updates_config(), dht, model)))
-    yield made
-    for _, optimizer in made:
-        optimizer.shutdown()
-    second.shutdown()
-    first.shutdown()
+    with optimizer_pair(local_updates_config()) as made:
+        yield made
 
 
 def wait_for_donor(dht, timeout_s: float = 30) -> None:
