@@ -340,6 +340,10 @@ class Trainer:
             self.progress.samples_total += batch_size
             if epoch_totals.steps == 1 and run_totals.steps == 0:
                 self._wait_for_peers(dht, stop, read_progress, "reported progress")
+                # hivemind's tracker alone decides whether a round has anyone to average with, from its own
+                # view, refreshed every few seconds: until it counts the others, each trainer would step alone
+                self._wait_for_peers(dht, stop, lambda *_: range(optimizer.tracker.global_progress.num_peers),
+                                     "counted in hivemind's view of the swarm")
 
             if optimizer.local_epoch != epoch:
                 self._finish_epoch(optimizer, compute, epoch_totals, peer_id)
