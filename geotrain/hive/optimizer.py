@@ -262,6 +262,7 @@ class MeasuredOptimizer(hivemind.Optimizer):
         return True
 
     def load_state_from_peers(self, **kwargs):
+        self._missed_round_of_epoch = None  # (whatever asked for this load: it covers a round given up)
         result = super().load_state_from_peers(**kwargs)
         # hivemind moves a peer that loaded a state one epoch old up to the swarm's epoch ("catching up") without
         # stepping the learning rate schedule: that epoch would run at the previous epoch's rate
