@@ -224,23 +224,41 @@ class Trainer:
         self.metrics.preemption_notices.inc()
         stopper.request_stop(f"{notice.cloud} preemption notice", budget_s, exit_code=EXIT_PREEMPTED)
 
-    def _wait_for_peers(self, dht, stop: Event, key_reader, what: str) -> None:
-        """Block until ``key_reader(dht, run_id)`` lists ``wait_for_peers`` trainers, or the timeout."""
+    def _wait_for_peers(self, dht, stop: Event, key_reader, what: str, deadline: float | None = None) -> bool:
+        """Block until ``key_reader(dht, run_id)`` lists ``wait_for_peers`` trainers (True), or until
+        ``deadline`` (``time.monotonic()``; by default ``wait_for_peers_timeout_s`` from now) or a stop (False)."""
         wanted = self.config.training.wait_for_peers
         timeout_s = self.config.training.wait_for_peers_timeout_s
         if wanted <= 1:
-            return
+            return True
         run_id = self.config.swarm.run_id
-        deadline = time.monotonic() + timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + timeout_s
         seen = 0
         while not stop.is_set() and time.monotonic() < deadline:
             seen = len(key_reader(dht, run_id))
             if seen >= wanted:
-                return
+                return True
             time.sleep(PEER_WAIT_POLL_S)
         if not stop.is_set():
             logger.warning("only %d of %d trainers %s within %.0f s; training anyway", seen,
                            wanted, what, timeout_s)
+        return False
+
+    def _meet_after_the_first_samples(self, dht, stop: Event, optimizer) -> None:
+        """Wait until the other trainers' progress records are in the DHT and in hivemind's own view.
+
+        Called once, after the first step that left samples in this peer's progress: hivemind publishes a
+        peer's progress only from then on. A first step that loaded the swarm's state (this peer was behind)
+        leaves none, and a peer that waited there would wait for others that wait for its record too.
+        hivemind's tracker alone decides whether a round has anyone to average with, from its own view,
+        refreshed every few seconds: until it counts the others, each trainer would step alone. Both waits
+        together last at most ``wait_for_peers_timeout_s``.
+        """
+        deadline = time.monotonic() + self.config.training.wait_for_peers_timeout_s
+        if self._wait_for_peers(dht, stop, read_progress, "reported progress", deadline):
+            self._wait_for_peers(dht, stop, lambda *_: range(optimizer.tracker.global_progress.num_peers),
+                                 "counted in hivemind's view of the swarm", deadline)
 
     def _load_state_if_behind(self, optimizer, dht, model, peer_id: str) -> None:
         """A peer that joins late downloads parameters and optimizer state before its first step.
@@ -292,6 +310,7 @@ class Trainer:
         model.train()
 
         run_totals = EpochTotals()
+        met_the_swarm = False  # see _meet_after_the_first_samples
         epoch = optimizer.local_epoch
         epoch_totals = EpochTotals()
         self.progress.epoch = epoch
@@ -338,12 +357,9 @@ class Trainer:
             epoch_totals.comm_s += finished - comm_started - inner_step_s
             self.metrics.samples.inc(batch_size)
             self.progress.samples_total += batch_size
-            if epoch_totals.steps == 1 and run_totals.steps == 0:
-                self._wait_for_peers(dht, stop, read_progress, "reported progress")
-                # hivemind's tracker alone decides whether a round has anyone to average with, from its own
-                # view, refreshed every few seconds: until it counts the others, each trainer would step alone
-                self._wait_for_peers(dht, stop, lambda *_: range(optimizer.tracker.global_progress.num_peers),
-                                     "counted in hivemind's view of the swarm")
+            if not met_the_swarm and optimizer.tracker.local_progress.samples_accumulated > 0:
+                met_the_swarm = True
+                self._meet_after_the_first_samples(dht, stop, optimizer)
 
             if optimizer.local_epoch != epoch:
                 self._finish_epoch(optimizer, compute, epoch_totals, peer_id)
