@@ -47,7 +47,7 @@ PROBE_TIMEOUT_S = 2.0
 PROBATION_S = 10.0
 RTT_RESOLUTION_S = 0.005
 STATE_BYTES_KEY = "geotrain_state_bytes"  # added to the metadata a donor sends (geotrain.hive.guard)
-RESULTS = ("ok", "stalled", "slow", "empty", "failed")
+RESULTS = ("ok", "stalled", "slow", "empty", "failed", "refused")
 
 
 @dataclass(frozen=True)
@@ -240,8 +240,9 @@ async def fetch_from(averager, donor: Donor, *, last: bool, stall_s: float, min_
 
 async def download_state(averager, donors: list[Donor], *, stall_s: float, min_rate_bytes_s: float,
                          probation_s: float = PROBATION_S, progress: DownloadProgress | None = None,
-                         on_attempt=None) -> Attempt | None:
-    """Ask ``donors`` in order until one sends a whole state; the successful attempt, or None."""
+                         on_attempt=None, refusal=None) -> Attempt | None:
+    """Ask ``donors`` in order until one sends a whole state that ``refusal(attempt)`` (when given) finds
+    nothing wrong with (it returns a reason, or None); the successful attempt, or None."""
     for index, donor in enumerate(donors):
         if donor.peer_id == averager.peer_id.to_base58():
             continue
@@ -249,6 +250,9 @@ async def download_state(averager, donors: list[Donor], *, stall_s: float, min_r
                     "round trip unknown" if donor.rtt_s is None else f"round trip {1000 * donor.rtt_s:.0f} ms")
         attempt = await fetch_from(averager, donor, last=index == len(donors) - 1, stall_s=stall_s,
                                    min_rate_bytes_s=min_rate_bytes_s, progress=progress, probation_s=probation_s)
+        reason = refusal(attempt) if refusal is not None and attempt.result == "ok" else None
+        if reason is not None:
+            attempt = Attempt(donor, "refused", attempt.received_bytes, attempt.seconds)
         if progress is not None:
             progress.finish(attempt.result, attempt.received_bytes)
         if on_attempt is not None:
@@ -259,8 +263,9 @@ async def download_state(averager, donors: list[Donor], *, stall_s: float, min_r
                         attempt.bytes_per_second / 1e6)
             return attempt
         if attempt.result != "empty":
-            logger.warning("state download from %s %s after %.1f s (%s, %.2f MB/s)%s", donor.peer_id, attempt.result,
-                           attempt.seconds, _megabytes(attempt.received_bytes, None), attempt.bytes_per_second / 1e6,
+            logger.warning("state download from %s %s after %.1f s (%s, %.2f MB/s)%s", donor.peer_id,
+                           attempt.result if reason is None else f"refused ({reason})", attempt.seconds,
+                           _megabytes(attempt.received_bytes, None), attempt.bytes_per_second / 1e6,
                            "; asking the next donor" if index < len(donors) - 1 else "; no donor left")
     return None
 

@@ -370,11 +370,9 @@ class GuardedAveragerMixin:
             PROBE_TIMEOUT_S
 
     async def _load_state_from_peers(self, future, timeout=None):
-        future = _FiniteStateFuture(future, self)
         try:
             attempt = await self._download_from_nearest_donor()
             if attempt is not None:
-                future.donor = attempt.donor.peer_id
                 future.set_result(attempt.state)
         except Exception as error:
             logger.exception("state download failed: %r", error)
@@ -403,7 +401,23 @@ class GuardedAveragerMixin:
         return await download_state(self, donors, stall_s=self.donor_stall_s,
                                     min_rate_bytes_s=self.donor_min_rate_bytes_s, probation_s=self.donor_probation_s,
                                     progress=None if report is None else report.downloads,
-                                    on_attempt=self._report_download_attempt)
+                                    on_attempt=self._report_download_attempt, refusal=self._refuse_non_finite_state)
+
+    def _refuse_non_finite_state(self, attempt) -> str | None:
+        """A state with non-finite values is refused, and its donor left out for ``ban_s`` (the download goes on
+        to the next donor)."""
+        _, tensors = attempt.state
+        if all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
+            return None
+        donor = attempt.donor.peer_id
+        logger.warning("refused the state downloaded from %s: it holds non-finite values; that peer is left out for "
+                       "%.0f s", donor, self.guard_config.ban_s)
+        self._guard_ban(PeerID.from_base58(donor))
+        if self.guard_report is not None:
+            self.guard_report.count("download_state", "non-finite state")
+            self.guard_report.event("state_refused", peer_id=self.peer_id.to_base58(), from_peer=donor,
+                                    reason="non-finite")
+        return "non-finite values"
 
     def _report_download_attempt(self, attempt) -> None:
         report = self.guard_report
@@ -454,32 +468,3 @@ def _announced_donors(dht, donors_key: str) -> dict[str, float]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             donors[name] = float(value)
     return donors
-
-
-class _FiniteStateFuture:
-    """The future hivemind's download loop fills, refusing a state with non-finite values: its donor is
-    banned (so the next attempt asks another) and the peer gets no state this time."""
-
-    def __init__(self, future, averager):
-        self._future, self._averager = future, averager
-
-    def __getattr__(self, name):
-        return getattr(self._future, name)
-
-    donor: str | None = None  # the peer id the state came from
-
-    def set_result(self, result) -> None:
-        if result is not None and not all(bool(torch.isfinite(t).all()) for t in result[1] if t.is_floating_point()):
-            donor = None if self.donor is None else PeerID.from_base58(self.donor)
-            averager = self._averager
-            name = self.donor or "an unknown donor"
-            logger.warning("refused the state downloaded from %s: it holds non-finite values; that peer is left "
-                           "out for %.0f s", name, averager.guard_config.ban_s)
-            if donor is not None:
-                averager._guard_ban(donor)
-            if averager.guard_report is not None:
-                averager.guard_report.count("download_state", "non-finite state")
-                averager.guard_report.event("state_refused", peer_id=averager.peer_id.to_base58(), from_peer=name,
-                                            reason="non-finite")
-            result = None
-        self._future.set_result(result)

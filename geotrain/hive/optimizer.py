@@ -113,6 +113,19 @@ class RecordingStateAverager(TrainingStateAverager):
     _get_handle_name = classmethod(hivemind_handle_name)
 
     _loading_state = False
+    skip_averaging_round = False  # set for an epoch whose gradient round was given up (MeasuredOptimizer)
+
+    def step(self, *args, averaging_round: bool = False, averaging_control=None, averaging_opts=None, **kwargs):
+        """hivemind's step, without the state averaging round when ``skip_averaging_round`` is set: the peer
+        loads the swarm's state at its next step, and hivemind's load would first wait for that round, which
+        only ends when the others average again (about an epoch later; the load then takes a state one epoch
+        old)."""
+        if averaging_round and self.skip_averaging_round:
+            if averaging_control is not None and not averaging_control.done():
+                averaging_control.cancel()  # a round pre-scheduled for this epoch: the others go on without it
+            averaging_round, averaging_control, averaging_opts = False, None, None
+        return super().step(*args, averaging_round=averaging_round, averaging_control=averaging_control,
+                            averaging_opts=averaging_opts, **kwargs)
 
     def load_state_from_peers(self, *args, **kwargs):
         epoch_before = self.local_epoch
@@ -269,6 +282,12 @@ class MeasuredOptimizer(hivemind.Optimizer):
         self.state_averager._update_scheduler()
         return result
 
+    def _update_global_epoch(self, grad_scaler) -> None:
+        try:
+            super()._update_global_epoch(grad_scaler)
+        finally:
+            self.state_averager.skip_averaging_round = False  # (set for this epoch only)
+
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         started = time.perf_counter()
         self._round_being_used = maybe_step_control
@@ -286,6 +305,8 @@ class MeasuredOptimizer(hivemind.Optimizer):
         if given_up:
             logger.info("gave up the gradient averaging round of epoch %d after %.1f s: the swarm had stepped past "
                         "it without this peer", given_up[0], duration_s)
+            if not self.delay_grad_averaging:  # (with it, this epoch's state round has begun already)
+                self.state_averager.skip_averaging_round = True  # the next step loads the swarm's state
         elif result != "ok":
             logger.warning("gradient averaging round %s after %.1f s; this peer stepped with its own gradients "
                            "of the epoch (%s)", "timed out" if result == "timeout" else "failed", duration_s,

@@ -1,7 +1,8 @@
 """Donor choice for state downloads (geotrain.hive.donors): the order, the probes, and the watch.
 
 The watch runs on real hivemind averagers in processes of their own (one DHT node on loopback): a donor
-that sends nothing, and one that trickles, are dropped for the next, and the state comes from that one.
+that sends nothing, one that trickles, and one whose state is not finite, are dropped for the next, and the state
+comes from that one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
 from geotrain.config import GuardConfig, load_config
+from geotrain.events import read_events
 from geotrain.hive.donors import Donor, donor_labels, probe_rtt_s, rank_donors
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
 from geotrain.hive.metric_records import MetricRecord, PeerRecord
@@ -149,11 +151,11 @@ class Swarm:
         self.averagers.append(averager)
         return averager
 
-    def downloader(self, *donors):
+    def downloader(self, *donors, events_path=None):
         """After ``donors`` (class, value, priority) announce their states, an averager that downloads (with
         geotrain's donor choice) and its report."""
         made = [self.averager(cls, value, priority=priority) for cls, value, priority in donors]
-        report = GuardReport(None)
+        report = GuardReport(events_path)
         downloader_class = type("TestDownloader", (Downloader,), {"guard_report": report})
         downloader = self.averager(downloader_class, 0.0, priority=0.0, allow_state_sharing=False)
         _wait_for_donors(self.first, len(donors))
@@ -201,4 +203,22 @@ def test_only_the_allowed_donors_are_asked(swarm):
     _, tensors = downloader.load_state_from_peers(timeout=60)
     assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 6.0))
     report.bans.ban(allowed.peer_id.to_base58(), 600)  # a banned donor is never asked, even when allowed
+    assert downloader.load_state_from_peers(timeout=60) is None
+
+
+def test_a_donor_whose_state_is_not_finite_is_refused_banned_and_the_next_one_asked(swarm, tmp_path):
+    # the poisoned donor announces the higher priority: it is asked first
+    events_path = tmp_path / "events.jsonl"
+    (poisoned, good), downloader, report = swarm.downloader((GoodDonor, float("nan"), 9.0), (GoodDonor, 3.0, 8.0),
+                                                            events_path=events_path)
+    _, tensors = downloader.load_state_from_peers(timeout=60)
+    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 3.0)), "the state did not come from the finite donor"
+    attempts = report.downloads.snapshot()["attempts"]
+    assert attempts["refused"] == 1 and attempts["ok"] == 1, attempts
+    assert report.counts()[("download_state", "non-finite state")] == 1
+    assert report.bans.active() == {poisoned.peer_id.to_base58()}
+    refused = [e for e in read_events(events_path) if e["event"] == "state_refused"]
+    assert [(e["from_peer"], e["reason"]) for e in refused] == [(poisoned.peer_id.to_base58(), "non-finite")]
+    # with the finite donor gone too, nothing is loaded: the peer keeps what it has
+    report.bans.ban(good.peer_id.to_base58(), 600)
     assert downloader.load_state_from_peers(timeout=60) is None

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
@@ -149,3 +150,29 @@ def test_after_a_round_given_up_the_next_step_loads_the_swarms_state(trainers):
     for parameter, donor_parameter in zip(model.parameters(), donor_model.parameters()):
         assert torch.equal(parameter, donor_parameter), "the donor's state was not loaded"
     assert optimizer._missed_round_of_epoch is None
+
+
+def test_an_epoch_whose_round_was_given_up_starts_no_state_round(trainers, monkeypatch):
+    # the state round would end only when the others average state again (about an epoch later), and the
+    # next step's load would wait for it first
+    (_, donor), (model, optimizer) = trainers
+    control = looking_for_a_group()
+    control.allow_allreduce()  # as hivemind's optimizer does when it begins the round
+    backward(model)
+    rounds = threading.Thread(target=optimizer._average_gradients_and_load_into_optimizer, args=(control,))
+    rounds.start()
+    time.sleep(2 * optimizer.missed_round_check_s)
+    donor_moves_to_epoch_one(donor)
+    rounds.join(timeout=60)
+    assert not rounds.is_alive() and control.cancelled(), "the round was not given up"
+    state_averager = optimizer.state_averager
+    assert state_averager.skip_averaging_round
+
+    started = []
+    monkeypatch.setattr(DecentralizedAverager, "step", lambda self, *args, **kwargs: started.append(kwargs))
+    # what hivemind's Optimizer._update_global_epoch then asks of the state averager
+    state_averager.step(increment_epoch=True, optimizer_step=True, averaging_round=True, delay_averaging=True,
+                        averaging_opts=dict(timeout=30))
+    state_averager.step(wait_for_delayed_updates=True)
+    assert started == [], "a state averaging round was started in an epoch whose gradient round was given up"
+    assert state_averager.local_epoch == 1
