@@ -241,6 +241,7 @@ def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path
         "peak_gpu_memory_bytes": max((p["peak_gpu_memory_bytes"] for p in peers
                                       if p["peak_gpu_memory_bytes"] is not None), default=None),
         "grad_compression": config.optimizer.grad_compression,
+        "powersgd_rank": config.optimizer.powersgd_rank if config.optimizer.grad_compression == "powersgd" else None,
         "network_profile": config.optimizer.network_profile,
         "target_batch_size": config.optimizer.target_batch_size,
         "mode": config.optimizer.mode,

@@ -39,6 +39,7 @@ import bisect
 import contextlib
 import itertools
 import logging
+import math
 
 import torch
 from hivemind.optim.power_sgd_averager import AllReducePhases, PowerSGDGradientAverager
@@ -50,6 +51,25 @@ from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
 logger = logging.getLogger(__name__)
 
 DEFAULT_RANK = 4
+MIN_COMPRESSION_RATIO = 0.5  # hivemind's PowerSGDGradientAverager default: a matrix must shrink at least twofold
+
+
+def values_on_the_wire(shapes, rank: int, min_compression_ratio: float = MIN_COMPRESSION_RATIO) -> tuple[int, int]:
+    """(factor values, values sent as they are) of one PowerSGD round over gradients of ``shapes``, both phases
+    together, by hivemind's rule: vectors, and matrices that rank-``rank`` factors would not shrink by
+    ``min_compression_ratio``, go as they are."""
+    factors = plain = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if len(shape) <= 1:
+            plain += numel
+            continue
+        values = rank * sum(get_flatten_greedy_dims(torch.empty(shape, device="meta")))  # P: m x r, Q: n x r
+        if 1 - values / numel < min_compression_ratio:
+            plain += numel
+        else:
+            factors += values
+    return factors, plain
 
 _PHASE_P = AllReducePhases.PHASE_P.name.encode()
 _PHASE_Q = AllReducePhases.PHASE_Q.name.encode()
@@ -158,12 +178,11 @@ class PowerSGDKeepingAverager(LocalGradientsKeepingAverager, PowerSGDGradientAve
     def describe_traffic(self) -> str:
         """What one round sends in place of the whole gradient, in values (both phases together)."""
         gradients = self.parameters  # (their shapes)
-        matrices = [g for index, g in enumerate(gradients) if index not in self._uncompressed_gradients_indexes]
-        plain = sum(g.numel() for index, g in enumerate(gradients) if index in self._uncompressed_gradients_indexes)
-        factors = sum(self.rank * sum(get_flatten_greedy_dims(g)) for g in matrices)  # P: m x r, Q: n x r
+        factors, plain = values_on_the_wire([tuple(g.shape) for g in gradients], self.rank)
+        matrices = len(gradients) - len(self._uncompressed_gradients_indexes)
         whole = sum(g.numel() for g in gradients)
-        return (f"rank {self.rank} factors of {len(matrices)} gradient matrices ({factors} values) and "
-                f"{len(gradients) - len(matrices)} tensors as they are ({plain} values): {factors + plain} values "
+        return (f"rank {self.rank} factors of {matrices} gradient matrices ({factors} values) and "
+                f"{len(gradients) - matrices} tensors as they are ({plain} values): {factors + plain} values "
                 f"where the whole gradient has {whole} ({whole / max(1, factors + plain):.1f}x fewer)")
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):

@@ -6,6 +6,7 @@ A profile is a small YAML file::
     task: cv
     parameters: 197800000          # model parameters
     bytes_per_parameter: 2         # on the wire: 2 with fp16 compression, 4 without, 1 with uniform8bit
+                                   #   (powersgd: from the model's shapes and the rank, see profile_from_run)
     target_batch_size: 32768       # samples the swarm accumulates per averaging round
     samples_per_second:            # one VM alone, without hivemind, keyed by GPU ("T4"), whole
       T4: 80                       #   instance ("8xV100") or "cpu"
@@ -14,6 +15,7 @@ A profile is a small YAML file::
     state_averaging_every_epochs: 0  # parameters are averaged too every N rounds; 0 = never
     data_bytes_per_sample: 0       # bytes read from object storage per sample (priced as data loading)
     min_vm_memory_gb: 0            # VMs the catalog lists with less memory are left out (0: no minimum)
+    state_bytes_per_parameter: 2   # optional: a state averaging round's, when not bytes_per_parameter (powersgd)
     sources: {...}                 # where each figure comes from
 
 Shipped profiles live in ``geotrain/data/planner/profiles/``; the user's own, written by
@@ -24,6 +26,7 @@ or ``--profiles-dir``). A user profile with the name of a shipped one replaces i
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -40,8 +43,10 @@ SHIPPED_PROFILES_DIR = DATA_DIR / "profiles"
 PROFILES_DIR_ENV = "GEOTRAIN_PROFILES_DIR"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 
-# Bytes per parameter on the wire for each of geotrain's gradient compressions (config.GradCompression).
+# Bytes per parameter on the wire for each of geotrain's gradient compressions (config.GradCompression);
+# powersgd's depend on the model's shapes and the rank (powersgd_bytes_per_parameter).
 BYTES_PER_PARAMETER = {"none": 4, "fp16": 2, "uniform8bit": 1}
+COMPRESSIONS = (*BYTES_PER_PARAMETER, "powersgd")
 
 # Used when a hand-written profile leaves them out: the values calibrated on [EMJ24]'s CV A-8 run
 # (see geotrain.planner.validation, which derives them from the published figures).
@@ -62,6 +67,7 @@ class ModelProfile:
     state_averaging_every_epochs: int = 0
     data_bytes_per_sample: float = 0.0
     min_vm_memory_gb: float = 0.0
+    state_bytes_per_parameter: float | None = None  # a state averaging round's; None: bytes_per_parameter
     sources: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
 
@@ -73,12 +79,15 @@ class ModelProfile:
     @property
     def bytes_averaged_per_round(self) -> float:
         """Gradients every round, plus parameters every ``state_averaging_every_epochs`` rounds."""
-        state = self.gradient_bytes / self.state_averaging_every_epochs if self.state_averaging_every_epochs else 0.0
+        state_bytes = self.parameters * (self.state_bytes_per_parameter or self.bytes_per_parameter)
+        state = state_bytes / self.state_averaging_every_epochs if self.state_averaging_every_epochs else 0.0
         return self.gradient_bytes + state
 
     def to_yaml(self) -> str:
         data = asdict(self)
         data.pop("path")
+        if data["state_bytes_per_parameter"] is None:
+            data.pop("state_bytes_per_parameter")
         return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -104,7 +113,7 @@ def parse_profile(data: Any, where: str) -> ModelProfile:
         raise PlannerError(f"{where}: expected a mapping of profile keys (name, parameters, ...)")
     known = {"name", "task", "parameters", "bytes_per_parameter", "target_batch_size", "samples_per_second",
              "hivemind_efficiency", "round_overhead_s", "state_averaging_every_epochs", "data_bytes_per_sample",
-             "min_vm_memory_gb", "sources"}
+             "min_vm_memory_gb", "state_bytes_per_parameter", "sources"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlannerError(f"{where}: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(sorted(known))}")
@@ -130,6 +139,8 @@ def parse_profile(data: Any, where: str) -> ModelProfile:
         state_averaging_every_epochs=_field(data, "state_averaging_every_epochs", where, int, minimum=0, default=0),
         data_bytes_per_sample=_field(data, "data_bytes_per_sample", where, float, minimum=0.0, default=0.0),
         min_vm_memory_gb=_field(data, "min_vm_memory_gb", where, float, minimum=0.0, default=0.0),
+        state_bytes_per_parameter=(_field(data, "state_bytes_per_parameter", where, float, minimum=0.01)
+                                   if data.get("state_bytes_per_parameter") is not None else None),
         sources={str(k): str(v) for k, v in (data.get("sources") or {}).items()},
     )
 
@@ -204,9 +215,8 @@ def profile_from_run(summary_path: Path, name: str, device_type: str | None = No
     parameters = _field(data, "parameters", where, int, minimum=1)
     target_batch_size = _field(data, "target_batch_size", where, int, minimum=1)
     compression = data.get("grad_compression", "fp16")
-    if compression not in BYTES_PER_PARAMETER:
-        raise PlannerError(f"{where}: grad_compression is {compression!r}; expected one of "
-                           f"{', '.join(BYTES_PER_PARAMETER)}")
+    if compression not in COMPRESSIONS:
+        raise PlannerError(f"{where}: grad_compression is {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
     peers = data.get("peers")
     if not isinstance(peers, list) or not peers:
         raise PlannerError(f"{where}: 'peers' is missing or empty; the run must have trained with at least one peer")
@@ -243,12 +253,43 @@ def profile_from_run(summary_path: Path, name: str, device_type: str | None = No
                                        "[EMJ24] CV A-8 calibration)")
     state_every = OptimizerConfig.model_fields["average_state_every"].default
     sources["state_averaging_every_epochs"] = "geotrain's optimizer.average_state_every default"
+    if compression == "powersgd":
+        rank = _field(data, "powersgd_rank", where, int, minimum=1)
+        bytes_per_parameter = powersgd_bytes_per_parameter(str(data.get("task") or ""), data.get("preset"), rank,
+                                                           parameters, where)
+        sources["bytes_per_parameter"] = (f"PowerSGD rank {rank} on the shapes of {data.get('task')}/"
+                                          f"{data.get('preset')}: fp16 factors and the tensors sent as they are")
+        state_bytes_per_parameter = BYTES_PER_PARAMETER["fp16"]
+        sources["state_bytes_per_parameter"] = "with powersgd, state averaging rounds send the parameters in fp16"
+    else:
+        bytes_per_parameter, state_bytes_per_parameter = BYTES_PER_PARAMETER[compression], None
     return ModelProfile(
         name=name, task=str(data.get("task") or ""), parameters=parameters,
-        bytes_per_parameter=BYTES_PER_PARAMETER[compression], target_batch_size=target_batch_size,
+        bytes_per_parameter=bytes_per_parameter, target_batch_size=target_batch_size,
         samples_per_second={device: round(sum(rates) / len(rates), 4)}, hivemind_efficiency=1.0,
         round_overhead_s=round(overhead, 4), state_averaging_every_epochs=int(state_every),
-        data_bytes_per_sample=0.0, sources=sources)
+        data_bytes_per_sample=0.0, state_bytes_per_parameter=state_bytes_per_parameter, sources=sources)
+
+
+def powersgd_bytes_per_parameter(task: str, preset: Any, rank: int, parameters: int, where: str) -> float:
+    """Bytes on the wire per parameter of one PowerSGD round (both phases, fp16) for the model of ``task``/
+    ``preset``, built from its config (no download), at ``rank``."""
+    from geotrain.config import TaskConfig
+    from geotrain.hive.powersgd import values_on_the_wire
+    from geotrain.tasks import build_task
+
+    try:
+        model = build_task(TaskConfig(name=task, preset=preset)).build_model()
+    except Exception as error:
+        raise PlannerError(f"{where}: cannot build the model of task {task!r}, preset {preset!r} to count what "
+                           f"PowerSGD sends ({error})") from None
+    built = sum(p.numel() for p in model.parameters())
+    if built != parameters:
+        raise PlannerError(f"{where}: the model of {task}/{preset} has {built} parameters, the run says "
+                           f"{parameters}; was the run made with another geotrain version?")
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    factors, plain = values_on_the_wire(shapes, rank)
+    return round(2 * (factors + plain) / parameters, 6)
 
 
 def save_profile(profile: ModelProfile, profiles_dir: str | Path | None = None) -> Path:

@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from geotrain.planner.__main__ import main
+from geotrain.planner.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,10 +80,10 @@ def test_malformed_catalog_names_line_through_the_cli(tmp_path):
     assert f"{catalog}:2, column 'gpu_count': 'one' is not a whole number" in result.stderr
 
 
-def run_summary(path: Path) -> Path:
+def run_summary(path: Path, **fields) -> Path:
     path.write_text(json.dumps({
         "task": "cv", "preset": "tiny", "parameters": 1_200_000, "target_batch_size": 256,
-        "swarm_samples_per_second": 90.0, "granularity": 2.5, "grad_compression": "fp16", "device": "cpu",
+        "swarm_samples_per_second": 90.0, "granularity": 2.5, "grad_compression": "fp16", "device": "cpu", **fields,
         "peers": [{"peer_id": "a", "samples": 1024, "samples_per_second": 45.0, "compute_s": 20.0, "comm_s": 4.0},
                   {"peer_id": "b", "samples": 1024, "samples_per_second": 45.0, "compute_s": 20.0, "comm_s": 4.0}],
     }))
@@ -104,6 +106,32 @@ def test_profile_from_run_is_found_by_plan(tmp_path):
     assert "c5.xlarge" in plan.stdout  # the catalog's CPU VM is the device the profile was measured on
     explicit = run_cli("plan", "--profile", "mymodel", "--profiles-dir", str(profiles), "--max-peers", "2")
     assert explicit.returncode == 0, explicit.stderr
+
+
+def test_a_powersgd_run_gives_a_profile_with_what_its_rank_sends(tmp_path):
+    from geotrain.config import TaskConfig
+    from geotrain.tasks import build_task
+
+    parameters = sum(p.numel() for p in build_task(TaskConfig(name="cv", preset="tiny")).build_model().parameters())
+    sent = {}
+    for rank in (1, 4):
+        summary = run_summary(tmp_path / f"run-{rank}.json", parameters=parameters, grad_compression="powersgd",
+                              powersgd_rank=rank)
+        result = run_cli("profile", "--from-run", str(summary), "--name", f"r{rank}", "--profiles-dir", str(tmp_path))
+        assert result.returncode == 0, result.stderr
+        sent[rank] = yaml.safe_load((tmp_path / f"r{rank}.yaml").read_text())["bytes_per_parameter"]
+    # fp16 sends 2 bytes per parameter; rank-r factors far fewer, and more of them at a higher rank
+    assert 0 < sent[1] < sent[4] < 2, sent
+    profile = load_profile("r4", profiles_dir=tmp_path)
+    assert profile.state_bytes_per_parameter == 2  # state averaging rounds send the parameters in fp16
+    assert profile.bytes_averaged_per_round == pytest.approx(parameters * (sent[4] + 2 / profile.state_averaging_every_epochs))
+
+    summary = run_summary(tmp_path / "no-rank.json", parameters=parameters, grad_compression="powersgd")
+    result = run_cli("profile", "--from-run", str(summary), "--name", "m", "--profiles-dir", str(tmp_path))
+    assert result.returncode == 2 and "key 'powersgd_rank' is missing" in result.stderr, result.stderr
+    summary = run_summary(tmp_path / "other.json", grad_compression="powersgd", powersgd_rank=4)  # 1.2M parameters
+    result = run_cli("profile", "--from-run", str(summary), "--name", "m", "--profiles-dir", str(tmp_path))
+    assert result.returncode == 2 and "parameters, the run says 1200000" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("content,message", [
