@@ -2,6 +2,7 @@
 
     sudo python benchmarks/lab_modes.py            # 12 `geotrain bench` runs, about 45 min on 2 shared cores
     python benchmarks/lab_modes.py --table         # the docs/diloco.md table and the plot from the committed JSON
+    sudo python benchmarks/lab_modes.py --profile convnext_large --configurations sync,diloco   # CV, 4 runs
 
 [EMJ24]'s NLP model (RoBERTa-XLM, profile ``roberta_xlm``: 208.8 samples/s per T4, target batch 32K) emulated
 at setups A-4 (one zone) and C-4 (four continents): the largest of the study's setups this 2-core machine holds
@@ -17,8 +18,14 @@ batch 4,096, model / 80, bandwidths / 10, latencies and the network profile's du
 - ``diloco-blocking``, ``diloco-H256-blocking``: the same with ``--blocking-rounds`` (the trainers wait for
   every round, as in the DiLoCo paper).
 
+- ``sync``: sync mode, fp16, the network profile the setup's RTT calls for, no delayed updates: the lab
+  bench's CV configuration (``benchmarks/lab_bench.py``).
+
 For each: swarm samples/s, per-peer efficiency (of the emulated 208.8 samples/s per trainer), the C-4 vs A-4
 penalty, and bytes sent per sample (the trainers' kernel TCP counters over their samples).
+
+``--profile convnext_large`` runs [EMJ24]'s CV model instead (80 samples/s per T4); its results go to
+``benchmarks/results/lab_modes/convnext_large/``.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ sys.path.insert(0, str(ROOT))
 from geotrain.events import read_events  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "lab_modes"
+NLP_PROFILE = "roberta_xlm"
 SETUPS = ("A-4", "C-4")
 DILOCO_INNER_STEPS = 64
 CONFIGURATIONS = {
+    "sync": [],
     "study": ["--overlap"],
     "intercontinental": ["--network-profile", "intercontinental", "--overlap"],
     "diloco": ["--mode", "diloco", "--inner-steps", str(DILOCO_INNER_STEPS)],
@@ -59,11 +68,15 @@ def bytes_per_sample(result: dict) -> float | None:
     return sent / samples if samples else None
 
 
-def run(setup: str, name: str, arguments: list[str]) -> Path:
-    path = RESULTS / f"{setup}_{name}.json"
-    subprocess.run([sys.executable, "-m", "geotrain", "bench", "--setup", setup, "--profile", "roberta_xlm",
-                    "--json", str(path), "--run-dir", str(ROOT / "runs" / f"lab-modes-{setup}-{name}"), *arguments],
-                   check=False, cwd=ROOT)
+def results_dir(profile: str) -> Path:
+    return RESULTS if profile == NLP_PROFILE else RESULTS / profile
+
+
+def run(setup: str, name: str, arguments: list[str], profile: str) -> Path:
+    path = results_dir(profile) / f"{setup}_{name}.json"
+    subprocess.run([sys.executable, "-m", "geotrain", "bench", "--setup", setup, "--profile", profile,
+                    "--json", str(path), "--run-dir", str(ROOT / "runs" / f"lab-modes-{profile}-{setup}-{name}"),
+                    *arguments], check=False, cwd=ROOT)
     if path.exists():
         result = json.loads(path.read_text())
         result["bytes_per_sample"] = bytes_per_sample(result)
@@ -76,6 +89,8 @@ def table(results: dict[tuple[str, str], dict]) -> str:
              "C-4 vs A-4 | bytes sent per sample A-4 / C-4 | parameters identical |", "|---|---|---|---|---|---|---|"]
     for name in CONFIGURATIONS:
         a, c = results.get(("A-4", name)), results.get(("C-4", name))
+        if not a and not c:
+            continue  # not run
         if not a or not c or "swarm_samples_per_second" not in a["measured"] or \
                 "swarm_samples_per_second" not in c["measured"]:
             lines.append(f"| {name} | did not finish | | | | | |")
@@ -93,7 +108,7 @@ def table(results: dict[tuple[str, str], dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[tuple[str, str], dict], path: Path) -> None:
+def plot(results: dict[tuple[str, str], dict], path: Path, profile: str) -> None:
     """Swarm samples/s at A-4 and C-4 per configuration, and bytes sent per sample."""
     import matplotlib
 
@@ -101,7 +116,7 @@ def plot(results: dict[tuple[str, str], dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (rate_axis, bytes_axis) = plt.subplots(1, 2, figsize=(13, 4.5))
-    names = list(CONFIGURATIONS)
+    names = [name for name in CONFIGURATIONS if any((setup, name) in results for setup in SETUPS)]
     width = 0.38
     for offset, setup in ((-width / 2, "A-4"), (width / 2, "C-4")):
         rates, sizes = [], []
@@ -116,10 +131,9 @@ def plot(results: dict[tuple[str, str], dict], path: Path) -> None:
         axis.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
         axis.set_ylabel(label)
         axis.legend(fontsize=8)
-    rate_axis.set_title("throughput (4 trainers; ideal 835)")
+    rate_axis.set_title("throughput (4 trainers)")
     bytes_axis.set_title("traffic")
-    figure.suptitle("NLP profile (roberta_xlm on T4) in the lab, time scale 8: study vs intercontinental vs DiLoCo",
-                    fontsize=10)
+    figure.suptitle(f"{profile} on T4 in the lab, time scale 8: " + " vs ".join(names), fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -129,11 +143,11 @@ def _number(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def load() -> dict[tuple[str, str], dict]:
+def load(profile: str) -> dict[tuple[str, str], dict]:
     results = {}
     for setup in SETUPS:
         for name in CONFIGURATIONS:
-            path = RESULTS / f"{setup}_{name}.json"
+            path = results_dir(profile) / f"{setup}_{name}.json"
             if path.exists():
                 results[(setup, name)] = json.loads(path.read_text())
     return results
@@ -142,17 +156,21 @@ def load() -> dict[tuple[str, str], dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", action="store_true", help="print the table of the committed JSON and exit")
-    parser.add_argument("--configurations", default=",".join(CONFIGURATIONS))
+    parser.add_argument("--configurations", default=",".join(name for name in CONFIGURATIONS if name != "sync"))
+    parser.add_argument("--profile", default=NLP_PROFILE, help="planner profile to emulate (default: %(default)s)")
     args = parser.parse_args()
+    unknown = sorted(set(args.configurations.split(",")) - set(CONFIGURATIONS))
+    if unknown:
+        parser.error(f"--configurations: unknown {', '.join(unknown)}; expected some of {', '.join(CONFIGURATIONS)}")
     if not args.table:
-        RESULTS.mkdir(parents=True, exist_ok=True)
+        results_dir(args.profile).mkdir(parents=True, exist_ok=True)
         for name in args.configurations.split(","):
             for setup in SETUPS:
-                run(setup, name, CONFIGURATIONS[name])
-    results = load()
+                run(setup, name, CONFIGURATIONS[name], args.profile)
+    results = load(args.profile)
     print(table(results))
     if results:
-        plot(results, RESULTS / "lab_modes.png")
+        plot(results, results_dir(args.profile) / "lab_modes.png", args.profile)
     return 0
 
 
