@@ -11,6 +11,8 @@ import os
 import signal
 import time
 
+SHARED_MEMORY_MANAGER = "torch_shm_manager"
+
 
 def _children_of(pid: int) -> list[int]:
     children = []
@@ -71,6 +73,19 @@ def terminate_tree(pids: list[int], grace_s: float = 3.0) -> None:
                 pass
 
 
+def is_shared_memory_manager(pid: int) -> bool:
+    """Whether ``pid`` is torch's ``torch_shm_manager``: hivemind shares tensors through files in /dev/shm
+    (torch's file_system strategy), and this daemon unlinks them once every process that used them is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as handle:
+            return handle.read().strip() == SHARED_MEMORY_MANAGER[:15]  # (the kernel keeps 15 characters)
+    except OSError:
+        return False
+
+
 def kill_descendants(grace_s: float = 3.0) -> None:
-    """Stop every process this one started, including hivemind's p2pd."""
-    terminate_tree(descendants(), grace_s)
+    """Stop every process this one started, including hivemind's p2pd, but not torch's shared memory manager:
+    it exits by itself when this peer's processes are gone, and removes their shared memory as it does. Stopped
+    with the others, it left every tensor the peer had shared in /dev/shm (that is, in RAM) until the next
+    reboot: 17 GB in 268,000 files on a test machine after a day of test runs."""
+    terminate_tree([pid for pid in descendants() if not is_shared_memory_manager(pid)], grace_s)

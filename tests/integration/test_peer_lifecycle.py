@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -80,9 +81,15 @@ def stop_and_check(swarm, process, name: str, signum: int) -> None:
     stop_s = time.monotonic() - sent
     assert stop_s <= STOP_BUDGET_S, f"{name} took {stop_s:.1f} s to stop"
     assert process.returncode == 0, swarm.log(name)[-2000:]
-    time.sleep(0.5)
+    # torch's shared memory manager exits by itself once the peer's processes are gone, removing what they
+    # shared in /dev/shm as it does (geotrain.processes.kill_descendants leaves it running for that)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(pid) for pid in children):
+        time.sleep(0.1)
     survivors = {pid: describe(pid) for pid in children if alive(pid)}
     assert not survivors, f"processes outlived {name}: {survivors}"
+    shared = [path.name for pid in (process.pid, *children) for path in Path("/dev/shm").glob(f"torch_{pid}_*")]
+    assert not shared, f"{name} left {len(shared)} files of shared memory in /dev/shm: {shared[:5]}"
 
 
 def describe(pid: int) -> str:
