@@ -543,6 +543,10 @@ class CoordinatorConfig(_Strict):
     hold_state: bool = Field(True, description="Keep the swarm's state and checkpoint it; needs the run's task.")
     checkpoint_every_epochs: int = Field(10, ge=1, description="Checkpoint when the swarm is this many epochs on.")
     checkpoint_every_s: float = Field(600.0, gt=0, description="...or this many seconds after the last one.")
+    refresh_in_region: bool = Field(
+        True, description="Download the swarm's state every epoch while a trainer is in this coordinator's region "
+                          "(metrics.region), so that the state it offers newcomers is current; off: only for "
+                          "checkpoints.")
     keep_checkpoints: int = Field(3, ge=1, description="How many checkpoints to keep (locally and mirrored).")
     mirror_url: str | None = Field(None, description="fsspec URL to mirror checkpoints to, e.g. s3://bucket/run.")
     mirror_options: dict[str, Any] = Field(

@@ -49,6 +49,25 @@ POLL_INTERVAL_S = 2.0
 DONOR_PRIORITY_BONUS = 0.5
 
 
+def refresh_due(swarm_epoch: int, epoch: int, trainer_in_region: bool, settings) -> bool:
+    """Whether to download the swarm's state now to keep the state this coordinator offers current.
+
+    Newcomers take a donor within one epoch of the newest by region, then round trip (geotrain.hive.donors):
+    a coordinator one epoch behind wins over current trainers farther away, and its state leaves them one
+    optimizer step behind the others. Seen in the churn soak: a trainer that rejoined next to the coordinator loaded its state of the
+    last checkpoint, one epoch old, missed the swarm's round and downloaded again from another continent.
+    While a trainer shares this region the download is a transfer inside one data centre, so the coordinator
+    follows every epoch (``coordinator.refresh_in_region``); otherwise it downloads only for its checkpoints,
+    and a far trainer's uplink is not spent on it every epoch.
+    """
+    return settings.refresh_in_region and trainer_in_region and swarm_epoch > epoch
+
+
+def trainer_in_region(records: dict, region: str) -> bool:
+    """Whether any trainer's metric record (geotrain.hive.metric_records.read_records) names ``region``."""
+    return any(peer.record.role == "trainer" and peer.record.region == region for peer in records.values())
+
+
 def join_command(addresses: list[str]) -> str:
     return "geotrain peer " + " ".join(f"--initial-peers {address}" for address in addresses)
 
@@ -150,13 +169,15 @@ class DurableState:
     def _offer_state(self) -> None:
         self.optimizer.state_averager.state_sharing_priority = self.epoch + DONOR_PRIORITY_BONUS
 
-    def follow(self, swarm_epoch: int) -> None:
-        """Download the swarm's state and checkpoint it when it is due."""
+    def follow(self, swarm_epoch: int, trainer_in_region: bool = False) -> None:
+        """Download the swarm's state when a checkpoint is due, or every epoch while a trainer in this region
+        can send it (:func:`refresh_due`); checkpoint when due."""
         settings = self.config.coordinator
         due_by_epochs = swarm_epoch >= self.saved_epoch + settings.checkpoint_every_epochs
         due_by_time = (time.monotonic() - self.saved_monotonic_s >= settings.checkpoint_every_s
                        and swarm_epoch > self.saved_epoch)
-        if not (due_by_epochs or due_by_time):
+        checkpoint_due = due_by_epochs or due_by_time
+        if not (checkpoint_due or refresh_due(swarm_epoch, self.epoch, trainer_in_region, settings)):
             return
         if swarm_epoch > self.epoch:
             started = time.perf_counter()
@@ -171,7 +192,7 @@ class DurableState:
             logger.info("downloaded the swarm's state of epoch %d in %.1f s", self.epoch,
                         time.perf_counter() - started)
             self._offer_state()
-        if self.epoch > self.saved_epoch:
+        if checkpoint_due and self.epoch > self.saved_epoch:
             self.checkpoint()
 
     def checkpoint(self) -> None:
@@ -239,10 +260,12 @@ class Coordinator:
                     logger.info("swarm %r: epoch %d, %d trainers", swarm.run_id, swarm_epoch, trainers)
                     last_status = (swarm_epoch, trainers)
                     self._remember_peers(dht)
+                records = self._read_records(dht)
                 if durable is not None and trainers:
-                    durable.follow(swarm_epoch)
+                    durable.follow(swarm_epoch, trainer_in_region(records or {}, config.metrics.region))
                     progress.epoch = durable.epoch
-                self._aggregate(dht, view, metrics)
+                if records is not None:
+                    self._aggregate(records, view, metrics)
         finally:
             reporter.leave()
             if durable is not None:
@@ -250,13 +273,16 @@ class Coordinator:
             dht.shutdown()
         logger.info("coordinator stopped")
 
-    def _aggregate(self, dht, view, metrics) -> None:
-        """Fold the peers' metric records into the swarm metrics this coordinator exports."""
+    def _read_records(self, dht) -> dict | None:
         try:
-            records = read_records(dht, self.config.swarm.run_id)
+            return read_records(dht, self.config.swarm.run_id)
         except Exception as error:  # a busy DHT: keep the last figures, try again next poll
             logger.debug("could not read metric records: %s", error)
-            return
+            return None
+
+    @staticmethod
+    def _aggregate(records: dict, view, metrics) -> None:
+        """Fold the peers' metric records into the swarm metrics this coordinator exports."""
         snapshot = view.update({owner: peer.record for owner, peer in records.items()})
         export(snapshot, metrics, self.config.cost)
 

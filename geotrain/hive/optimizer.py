@@ -233,6 +233,7 @@ class MeasuredOptimizer(hivemind.Optimizer):
 
     on_averaging_round = None  # callable(result, duration_s)
     missed_round_check_s = 1.0  # how often a round looking for a group reads the swarm's progress
+    swarm_step_poll_s = 0.2  # how often a load that waits for the swarm's step looks at hivemind's view of it
     _missed_round_of_epoch = None  # the epoch of a round given up because the swarm had stepped past it
     _round_being_used = None  # the StepControl whose results _average_gradients_and_load_into_optimizer uses
 
@@ -276,11 +277,42 @@ class MeasuredOptimizer(hivemind.Optimizer):
 
     def load_state_from_peers(self, **kwargs):
         self._missed_round_of_epoch = None  # (whatever asked for this load: it covers a round given up)
+        if self.use_gradient_averaging and not self.auxiliary:
+            if self.scheduled_grads is not None and not self.scheduled_grads.done():
+                self._tag_along_with_zero_weight(self.scheduled_grads)  # (hivemind's first move, made before the wait)
+                self.scheduled_grads = None
+            self._wait_while_the_swarm_steps()
         result = super().load_state_from_peers(**kwargs)
         # hivemind moves a peer that loaded a state one epoch old up to the swarm's epoch ("catching up") without
         # stepping the learning rate schedule: that epoch would run at the previous epoch's rate
         self.state_averager._update_scheduler()
         return result
+
+    def _wait_while_the_swarm_steps(self) -> None:
+        """Before a download: while the swarm's round is under way, wait until it has stepped.
+
+        The swarm's progress records holding its whole batch means its gradient round has begun: a state
+        downloaded now is one step old when the swarm's step lands, and this peer cannot join a round whose
+        group has formed. Seen in the churn soak: a rejoined trainer that loaded then (in its own region, in 0.3 s)
+        gave up the round it came too late for and loaded the state again, this time over an ocean (12 s). Waiting
+        for the swarm's new epoch costs the rest of its all-reduce, and this peer downloads the state the others
+        step from next. Bounded by the averaging timeout, and over as soon as the records that hold the batch
+        expire (a swarm that left).
+        """
+        tracker = self.tracker
+        progress = tracker.global_progress
+        if progress.samples_accumulated < tracker.target_batch_size:
+            return
+        epoch, started = progress.epoch, time.monotonic()
+        logger.info("the swarm is averaging the gradients of epoch %d: loading its state once it has stepped", epoch)
+        deadline = started + self.averaging_timeout
+        while time.monotonic() < deadline:
+            progress = tracker.global_progress
+            if progress.epoch > epoch or progress.samples_accumulated < tracker.target_batch_size:
+                break
+            time.sleep(self.swarm_step_poll_s)
+        logger.info("waited %.1f s for the swarm's step (the swarm is at epoch %d)", time.monotonic() - started,
+                    tracker.global_progress.epoch)
 
     def _update_global_epoch(self, grad_scaler) -> None:
         try:

@@ -176,3 +176,27 @@ def test_an_epoch_whose_round_was_given_up_starts_no_state_round(trainers, monke
     state_averager.step(wait_for_delayed_updates=True)
     assert started == [], "a state averaging round was started in an epoch whose gradient round was given up"
     assert state_averager.local_epoch == 1
+
+
+def test_a_load_while_the_swarm_averages_waits_for_its_step_and_takes_the_new_state(trainers):
+    # a state downloaded while the swarm's round is under way is one step old when that step lands, and a peer
+    # cannot join a round whose group has formed: it would give the round up and download again
+    (_, donor), (model, optimizer) = trainers
+    donor.tracker.report_local_progress(0, 64)  # the swarm's whole batch: its round of epoch 0 has begun
+    wait_until(lambda: optimizer.tracker.global_progress.samples_accumulated >= 64, "the batch in this peer's view")
+    loading = threading.Thread(target=optimizer.load_state_from_peers)
+    loading.start()
+    time.sleep(2.0)
+    assert loading.is_alive(), "the state was downloaded while the swarm's round was under way"
+
+    with torch.no_grad():  # the swarm's step, in the parameters the donor serves
+        for group in donor.state_averager.optimizer.param_groups:
+            for parameter in group["params"]:
+                parameter.fill_(2.0)
+    donor_moves_to_epoch_one(donor)
+    loading.join(timeout=60)
+
+    assert not loading.is_alive()
+    assert optimizer.local_epoch == 1
+    for parameter in model.parameters():
+        assert torch.equal(parameter, torch.full_like(parameter, 2.0)), "this peer did not load the state after the step"
