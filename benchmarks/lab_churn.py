@@ -59,14 +59,16 @@ def summary_table(baseline: dict | None, churn: dict | None) -> str:
 
 
 def rejoin_table(churn: dict | None) -> str:
-    lines = ["| rejoin | region | start to state loaded s | start to first epoch s | state MB | donor region "
-             "| bound s (nearest donor) | first epoch / bound |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| rejoin | region | start to joined s | start to state loaded s | start to first epoch s | state MB "
+             "| donor region | download s | bound s (nearest donor) | download / bound | first epoch / bound "
+             "| downloads |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (churn or {}).get("measured", {}).get("rejoins", []):
-        lines.append(f"| {r['name']} | {r['region']} | {_number(r['to_state_loaded_s'])} | "
-                     f"{_number(r['to_first_epoch_s'])} | "
+        lines.append(f"| {r['name']} | {r['region']} | {_number(r.get('to_joined_s'))} | "
+                     f"{_number(r['to_state_loaded_s'])} | {_number(r['to_first_epoch_s'])} | "
                      f"{_number(r['state_bytes'] / 1e6 if r['state_bytes'] else None)} | {r['donor_region'] or '-'} | "
-                     f"{_number(r['bound_s'], 2)} ({r['bound_donor_region'] or '-'}) | "
-                     f"{_number(r['first_epoch_ratio'], 2)} |")
+                     f"{_number(r.get('download_s'))} | {_number(r['bound_s'], 2)} ({r['bound_donor_region'] or '-'}) | "
+                     f"{_number(r.get('download_ratio'), 2)} | {_number(r['first_epoch_ratio'], 2)} | "
+                     f"{r.get('state_downloads', '-')} |")
     return "\n".join(lines)
 
 

@@ -280,8 +280,7 @@ class Coordinator:
             logger.debug("could not read metric records: %s", error)
             return None
 
-    @staticmethod
-    def _aggregate(records: dict, view, metrics) -> None:
+    def _aggregate(self, records: dict, view, metrics) -> None:
         """Fold the peers' metric records into the swarm metrics this coordinator exports."""
         snapshot = view.update({owner: peer.record for owner, peer in records.items()})
         export(snapshot, metrics, self.config.cost)

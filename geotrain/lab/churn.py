@@ -561,22 +561,34 @@ def final_parameters(incarnations: list[dict]) -> dict:
 
 
 def rejoin_record(incarnation: dict, topology: Topology) -> dict:
-    """Seconds from a rejoined process's start to its state load and first contributed epoch, and the bound."""
+    """Seconds from a rejoined process's start to its state load and first contributed epoch, and the bound.
+
+    The path in parts: the process's start to joining the DHT (``to_joined_s``), the state's download
+    itself (``download_s``, against the bound: ``download_ratio``), and the rest (the wait for the
+    swarm's round to end). ``state_downloads``: whole states this process downloaded before the soak ended
+    (more than one: it fell behind after its load and loaded again).
+    """
     events = incarnation["events"]
     start_s = incarnation["started_unix_s"]
+    joined = next((e for e in events if e["event"] == "joined"), None)
     loaded = next((e for e in events if e["event"] == "state_loaded"), None)
     first = next((e for e in events if e["event"] == "epoch" and e.get("samples", 0) > 0), None)
-    download = next((e for e in events if e["event"] == "state_download" and e.get("result") == "ok"), None)
+    downloads = [e for e in events if e["event"] == "state_download" and e.get("result") == "ok"]
+    download = downloads[0] if downloads else None
     state_bytes = download.get("bytes") if download else None
     bound = nearest_donor_bound(state_bytes, incarnation["region"], topology) if state_bytes else None
     record = {
         "name": incarnation["name"], "region": incarnation["region"],
+        "to_joined_s": joined["time"] - start_s if joined else None,
         "to_state_loaded_s": loaded["time"] - start_s if loaded else None,
         "to_first_epoch_s": first["time"] - start_s if first else None,
+        "download_s": download.get("seconds") if download else None,
+        "state_downloads": len(downloads),
         "state_bytes": state_bytes, "donor_region": (loaded or {}).get("donor_region"),
         "bound_s": bound[0] if bound else None, "bound_donor_region": bound[1] if bound else None,
     }
-    for key, ratio_key in (("to_state_loaded_s", "state_loaded_ratio"), ("to_first_epoch_s", "first_epoch_ratio")):
+    for key, ratio_key in (("to_state_loaded_s", "state_loaded_ratio"), ("to_first_epoch_s", "first_epoch_ratio"),
+                           ("download_s", "download_ratio")):
         record[ratio_key] = record[key] / record["bound_s"] if record[key] is not None and record["bound_s"] else None
     return record
 
@@ -740,14 +752,17 @@ def format_soak(result: dict) -> str:
             lines.append(f"trainer time lost to churn: {_number(m['trainer_seconds_lost'])} s, "
                          f"{100 * m['interruption_fraction']:.1f}% of the trainers' time (the interruption rate)")
     if m["rejoins"]:
-        lines.append(f"{'rejoin':<16} {'region':<7} {'to state s':>10} {'to epoch s':>10} {'state MB':>9} "
-                     f"{'donor':<7} {'bound s':>8} {'from':<6} {'epoch/bound':>11}")
+        lines.append(f"{'rejoin':<16} {'region':<7} {'joined s':>8} {'to state s':>10} {'to epoch s':>10} "
+                     f"{'state MB':>9} {'donor':<7} {'download s':>10} {'bound s':>8} {'from':<6} "
+                     f"{'download/bound':>14} {'epoch/bound':>11} {'downloads':>9}")
         for r in m["rejoins"]:
-            lines.append(f"{r['name']:<16} {r['region']:<7} {_number(r['to_state_loaded_s']):>10} "
-                         f"{_number(r['to_first_epoch_s']):>10} "
+            lines.append(f"{r['name']:<16} {r['region']:<7} {_number(r.get('to_joined_s')):>8} "
+                         f"{_number(r['to_state_loaded_s']):>10} {_number(r['to_first_epoch_s']):>10} "
                          f"{_number(r['state_bytes'] / 1e6 if r['state_bytes'] else None):>9} "
-                         f"{r['donor_region'] or '-':<7} {_number(r['bound_s'], 2):>8} "
-                         f"{r['bound_donor_region'] or '-':<6} {_number(r['first_epoch_ratio'], 2):>11}")
+                         f"{r['donor_region'] or '-':<7} {_number(r.get('download_s')):>10} "
+                         f"{_number(r['bound_s'], 2):>8} {r['bound_donor_region'] or '-':<6} "
+                         f"{_number(r.get('download_ratio'), 2):>14} {_number(r['first_epoch_ratio'], 2):>11} "
+                         f"{r.get('state_downloads', '-'):>9}")
     restored = m["restored_checkpoint"]
     kept = {None: "no restart", True: "yes", False: "NO"}[m["checkpoints_kept"]]
     lines += [

@@ -109,7 +109,8 @@ def _swarm(final_shas=("a" * 64, "a" * 64), rejoin_training_epoch=3) -> list[dic
           _finished(61, 6, final_shas[0])]
     eu_first = [{"event": "training", "time": 0.0, "epoch": 0}, *_epochs(0, [1, 2]),
                 {"event": "finished", "time": 25.0, "epoch": 2, "params_sha256": "b" * 64, "stopped_by_request": True}]
-    eu_rejoin = [{"event": "state_download", "time": 38.0, "donor": "12D3Koo", "donor_region": "us",
+    eu_rejoin = [{"event": "joined", "time": 32.0},
+                 {"event": "state_download", "time": 38.0, "donor": "12D3Koo", "donor_region": "us",
                   "result": "ok", "bytes": 21_000_000, "seconds": 8.0},
                  {"event": "state_loaded", "time": 38.5, "epoch": rejoin_training_epoch, "state_epoch": 3,
                   "donor_region": "us"},
@@ -139,6 +140,8 @@ def test_a_rejoin_is_timed_to_its_first_contributed_epoch_and_bounded_by_the_nea
     assert nearest_donor_bound(21_000_000, "eu", topology) == (pytest.approx(expected_s), "us")
     assert rejoin["bound_s"] == pytest.approx(expected_s)
     assert rejoin["first_epoch_ratio"] == pytest.approx(25.0 / expected_s)
+    assert rejoin["download_s"] == 8.0 and rejoin["download_ratio"] == pytest.approx(8.0 / expected_s)
+    assert rejoin["to_joined_s"] == pytest.approx(2.0) and rejoin["state_downloads"] == 1
     assert measured["epochs_monotonic"] and measured["parameters"]["identical"]
     assert measured["parameters"]["trainers"] == ["peer-1-us", "peer-2-eu.r1"]  # the preempted one is not asked
 
