@@ -24,6 +24,7 @@ from geotrain.hive.keys import swarm_epoch_and_trainers
 from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.missed_round import watch_round
 from geotrain.hive.powersgd import PowerSGDKeepingAverager
+from geotrain.hive.part_reducer import install as install_part_reducer_fix
 from geotrain.hive.quantization import install as install_quantization_decoder
 from geotrain.hive.rounds import averaging_round_result, round_error
 from geotrain.hive.step_guard import StepGuard, all_finite
@@ -403,6 +404,7 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     """
     opt = config.optimizer
     install_quantization_decoder()  # before hivemind's averagers fork: they decode the parts others send
+    install_part_reducer_fix()  # ... and reduce them: a member that vanishes mid-round must not stall the round
     report = guard_report if guard_report is not None else GuardReport(None)
     admission = Admission(config.swarm.run_id, load_swarm_token(config.swarm), load_allowed_peer_ids(config.swarm))
     grad_averager_options = {}
