@@ -565,8 +565,8 @@ def rejoin_record(incarnation: dict, topology: Topology) -> dict:
 
     The path in parts: the process's start to joining the DHT (``to_joined_s``), the state's download
     itself (``download_s``, against the bound: ``download_ratio``), and the rest (the wait for the
-    swarm's round to end). ``state_downloads``: whole states this process downloaded before the soak ended
-    (more than one: it fell behind after its load and loaded again).
+    swarm's round to end). ``state_downloads``: whole states this process downloaded while it trained (more
+    than one: it fell behind after its load and loaded again; the end-of-run agreement's is not counted).
     """
     events = incarnation["events"]
     start_s = incarnation["started_unix_s"]
@@ -575,6 +575,10 @@ def rejoin_record(incarnation: dict, topology: Topology) -> dict:
     first = next((e for e in events if e["event"] == "epoch" and e.get("samples", 0) > 0), None)
     downloads = [e for e in events if e["event"] == "state_download" and e.get("result") == "ok"]
     download = downloads[0] if downloads else None
+    finished = next((e for e in events if e["event"] == "finished" and not e.get("stopped_by_request")), None)
+    last_epoch_s = max((e["time"] for e in events if e["event"] == "epoch"), default=None)
+    if finished is not None and last_epoch_s is not None:  # the agreement's download comes after the last epoch
+        downloads = [e for e in downloads if e["time"] <= last_epoch_s]
     state_bytes = download.get("bytes") if download else None
     bound = nearest_donor_bound(state_bytes, incarnation["region"], topology) if state_bytes else None
     record = {

@@ -146,6 +146,17 @@ def test_a_rejoin_is_timed_to_its_first_contributed_epoch_and_bounded_by_the_nea
     assert measured["parameters"]["trainers"] == ["peer-1-us", "peer-2-eu.r1"]  # the preempted one is not asked
 
 
+def test_a_download_after_the_last_epoch_is_the_agreements_and_a_reload_while_training_counts():
+    incarnations = _swarm()
+    events = incarnations[2]["events"]
+    final = {"event": "state_download", "time": 60.0, "result": "ok", "bytes": 21_000_000, "seconds": 4.0}
+    events.insert(len(events) - 1, final)  # before its finished event: the end-of-run agreement's
+    assert _measure(incarnations)["rejoins"][0]["state_downloads"] == 1
+    reload = {**final, "time": 52.0}  # between its epochs: it fell behind and loaded again
+    events.insert(4, reload)
+    assert _measure(incarnations)["rejoins"][0]["state_downloads"] == 2
+
+
 def test_swarm_samples_count_every_incarnation():
     measured = _measure(_swarm())
     # epochs 2..6 from the first epoch-1 boundary (t=10) to epoch 6 (t=55, the rejoin's): samples of all files
