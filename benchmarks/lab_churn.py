@@ -66,7 +66,8 @@ def rejoin_table(churn: dict | None) -> str:
         lines.append(f"| {r['name']} | {r['region']} | {_number(r.get('to_joined_s'))} | "
                      f"{_number(r['to_state_loaded_s'])} | {_number(r['to_first_epoch_s'])} | "
                      f"{_number(r['state_bytes'] / 1e6 if r['state_bytes'] else None)} | {r['donor_region'] or '-'} | "
-                     f"{_number(r.get('download_s'))} | {_number(r['bound_s'], 2)} ({r['bound_donor_region'] or '-'}) | "
+                     f"{_number(r.get('download_s'))} | "
+                     f"{_number(r['bound_s'], 2)} ({r['bound_donor_region'] or '-'}) | "
                      f"{_number(r.get('download_ratio'), 2)} | {_number(r['first_epoch_ratio'], 2)} | "
                      f"{r.get('state_downloads', '-')} |")
     return "\n".join(lines)

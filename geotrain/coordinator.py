@@ -54,9 +54,9 @@ def refresh_due(swarm_epoch: int, epoch: int, trainer_in_region: bool, settings)
 
     Newcomers take a donor within one epoch of the newest by region, then round trip (geotrain.hive.donors):
     a coordinator one epoch behind wins over current trainers farther away, and its state leaves them one
-    optimizer step behind the others. Seen in the churn soak: a trainer that rejoined next to the coordinator loaded its state of the
-    last checkpoint, one epoch old, missed the swarm's round and downloaded again from another continent.
-    While a trainer shares this region the download is a transfer inside one data centre, so the coordinator
+    optimizer step behind the others. Seen in the churn soak: a trainer that rejoined next to the coordinator
+    loaded its state of the last checkpoint, one epoch old, missed the swarm's round and downloaded again from
+    another continent. While a trainer shares this region the download is a transfer inside one data centre, so the coordinator
     follows every epoch (``coordinator.refresh_in_region``); otherwise it downloads only for its checkpoints,
     and a far trainer's uplink is not spent on it every epoch.
     """

@@ -23,8 +23,8 @@ from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_hand
 from geotrain.hive.keys import swarm_epoch_and_trainers
 from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.missed_round import watch_round
-from geotrain.hive.powersgd import PowerSGDKeepingAverager
 from geotrain.hive.part_reducer import install as install_part_reducer_fix
+from geotrain.hive.powersgd import PowerSGDKeepingAverager
 from geotrain.hive.quantization import install as install_quantization_decoder
 from geotrain.hive.rounds import averaging_round_result, round_error
 from geotrain.hive.step_guard import StepGuard, all_finite

@@ -199,4 +199,4 @@ def test_a_load_while_the_swarm_averages_waits_for_its_step_and_takes_the_new_st
     assert not loading.is_alive()
     assert optimizer.local_epoch == 1
     for parameter in model.parameters():
-        assert torch.equal(parameter, torch.full_like(parameter, 2.0)), "this peer did not load the state after the step"
+        assert torch.equal(parameter, torch.full_like(parameter, 2.0)), "not the state after the swarm's step"
