@@ -46,6 +46,11 @@ def last_epoch(events_path: Path) -> int:
     return max((e["epoch"] for e in read_events(events_path) if e["event"] == "epoch"), default=0)
 
 
+def shared_memory_files() -> set[str]:
+    """Names of the files torch shares tensors through (``torch_<pid>_...`` in /dev/shm)."""
+    return {path.name for path in Path("/dev/shm").glob("torch_*")}
+
+
 def processes_mentioning(text: str) -> list[int]:
     """PIDs of live processes whose command line contains ``text`` (hivemind's forks keep their parent's)."""
     found = []
@@ -67,6 +72,9 @@ class Swarm:
 
     def __init__(self, directory: Path):
         self.directory = directory
+        # pids come round again (pid_max is 32768 here): files a dead process of an earlier test left under a
+        # pid that a peer of this test now has are not this peer's
+        self.shared_memory_at_start = shared_memory_files()
         self.processes: list[subprocess.Popen] = []
         self.initial_peers: list[str] = []
 

@@ -88,7 +88,8 @@ def stop_and_check(swarm, process, name: str, signum: int) -> None:
         time.sleep(0.1)
     survivors = {pid: describe(pid) for pid in children if alive(pid)}
     assert not survivors, f"processes outlived {name}: {survivors}"
-    shared = [path.name for pid in (process.pid, *children) for path in Path("/dev/shm").glob(f"torch_{pid}_*")]
+    shared = [path.name for pid in (process.pid, *children) for path in Path("/dev/shm").glob(f"torch_{pid}_*")
+              if path.name not in swarm.shared_memory_at_start]
     assert not shared, f"{name} left {len(shared)} files of shared memory in /dev/shm: {shared[:5]}"
 
 

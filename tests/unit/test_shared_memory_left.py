@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from geotrain.processes import descendants, is_shared_memory_manager, terminate_tree
+
 PEER = """
 import multiprocessing, time
 import torch
@@ -39,3 +41,33 @@ def test_a_peer_that_stops_its_children_leaves_no_shared_memory():
     while files_of(process.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not files_of(process.pid), f"left in /dev/shm: {files_of(process.pid)}"
+
+
+SHARING_PEER = """
+import time
+import torch
+import hivemind  # (sets torch's file_system sharing strategy, as in every peer)
+
+shared = torch.zeros(4096).share_memory_()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_stopping_every_process_of_a_peer_from_outside_leaves_no_shared_memory():
+    """What ``geotrain lab down`` does to the processes in a lab's namespaces: terminate_tree on all of them."""
+    process = subprocess.Popen([sys.executable, "-c", SHARING_PEER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        everything = [process.pid, *descendants(process.pid)]
+        assert any(is_shared_memory_manager(pid) for pid in everything), "no torch_shm_manager: checks nothing"
+        assert files_of(process.pid)
+        terminate_tree(everything, grace_s=5.0)
+        process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while files_of(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not files_of(process.pid), f"left in /dev/shm: {files_of(process.pid)}"
+    finally:
+        if process.poll() is None:
+            process.kill()
