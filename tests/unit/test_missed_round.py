@@ -11,6 +11,7 @@ progress-record key: the tests set each situation up rather than train into it.)
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -200,3 +201,47 @@ def test_a_load_while_the_swarm_averages_waits_for_its_step_and_takes_the_new_st
     assert optimizer.local_epoch == 1
     for parameter in model.parameters():
         assert torch.equal(parameter, torch.full_like(parameter, 2.0)), "not the state after the swarm's step"
+
+
+def test_a_load_while_the_swarm_forms_its_group_waits_for_its_step(trainers, caplog):
+    # the swarm's step is nearer than the matchmaking time: its peers are forming their group, and a state
+    # downloaded now is one step old by the time this peer could join a round
+    (_, donor), (model, optimizer) = trainers
+    donor.tracker.report_local_progress(0, 8)
+    time.sleep(0.5)
+    donor.tracker.report_local_progress(0, 60)  # 4 samples short of the batch, at about 100 samples/s
+    wait_until(lambda: optimizer.tracker.global_progress.samples_accumulated >= 60, "the samples in this view")
+    progress = optimizer.tracker.global_progress
+    assert 0 < progress.samples_accumulated < 64
+    assert progress.eta_next_epoch - get_dht_time() <= optimizer.matchmaking_time, "the step is not near: checks nothing"
+    caplog.set_level(logging.INFO, logger="geotrain.hive.optimizer")
+    loading = threading.Thread(target=optimizer.load_state_from_peers)
+    loading.start()
+    time.sleep(2.0)
+    assert loading.is_alive(), "the state was downloaded while the swarm was forming its group"
+    assert "forming its group for the step of epoch 0" in caplog.text
+
+    with torch.no_grad():
+        for group in donor.state_averager.optimizer.param_groups:
+            for parameter in group["params"]:
+                parameter.fill_(2.0)
+    donor_moves_to_epoch_one(donor)
+    loading.join(timeout=60)
+
+    assert not loading.is_alive()
+    assert optimizer.local_epoch == 1
+    for parameter in model.parameters():
+        assert torch.equal(parameter, torch.full_like(parameter, 2.0)), "not the state after the swarm's step"
+
+
+def test_a_load_while_the_swarm_is_far_from_its_step_downloads_at_once(trainers, caplog):
+    (_, donor), (_, optimizer) = trainers
+    donor.tracker.report_local_progress(0, 4)
+    time.sleep(2.0)
+    donor.tracker.report_local_progress(0, 6)  # 58 samples short at about 1 sample/s: nearly a minute away
+    wait_until(lambda: optimizer.tracker.global_progress.samples_accumulated >= 6, "the samples in this view")
+    assert optimizer.tracker.global_progress.eta_next_epoch - get_dht_time() > optimizer.matchmaking_time
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+        optimizer.load_state_from_peers()
+    assert "once it has stepped" not in caplog.text, "the load waited for a step that is far off"
+    assert optimizer.local_epoch == 0
