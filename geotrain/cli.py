@@ -328,4 +328,4 @@ def _run_handler(handler, args: argparse.Namespace) -> int:
         return EXIT_UNEXPECTED
     finally:
         # whatever happened above, no hivemind child or p2pd may outlive this command
-        kill_descendants(grace_s=2.0)
+        kill_descendants(grace_s=2.0, final=True)

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 
-from geotrain.processes import kill_descendants
+from geotrain.processes import kill_descendants, remember_descendants
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class Stopper:
         averager (so that its forked child ignores Ctrl-C), which left a peer deaf to Ctrl-C once its
         optimizer existed. The children keep ignoring it; they stop with their parent (die_with_parent).
         """
+        remember_descendants()  # hivemind's processes: what they share is removed on the way out
         if not self._handlers_installed:
             return
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -106,6 +107,7 @@ class Stopper:
             self.reason = reason
             self.exit_code = exit_code
             logger.info("%s: leaving the swarm (at most %.0f s)", reason, deadline_s)
+            remember_descendants()
             self.stop.set()
             callbacks = list(self._on_stop)
         watchdog = threading.Timer(deadline_s, self._deadline_passed, args=(deadline_s,))
@@ -143,6 +145,6 @@ class Stopper:
         self._force_exit()
 
     def _force_exit(self) -> None:
-        kill_descendants(grace_s=2.0)
+        kill_descendants(grace_s=2.0, final=True)
         logging.shutdown()
         os._exit(self.exit_code if self.exit_code is not None else EXIT_CODE_FORCED)

@@ -7,11 +7,18 @@ hivemind runs its DHT and averagers in forked child processes, and the DHT's chi
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import time
+from collections import Counter
+from pathlib import Path
 
 SHARED_MEMORY_MANAGER = "torch_shm_manager"
+SHARED_MEMORY_DIR = Path("/dev/shm")
+SHARED_MEMORY_PREFIX = "torch_"  # torch names its files torch_<creator pid>_<random>_<counter>
+
+_own_descendants_seen: set[int] = set()  # every descendant of this process that descendants() has seen
 
 
 def _children_of(pid: int) -> list[int]:
@@ -43,6 +50,8 @@ def descendants(pid: int | None = None) -> list[int]:
                     found.append(child)
                     next_frontier.append(child)
         frontier = next_frontier
+    if pid == os.getpid():
+        _own_descendants_seen.update(found)
     return found
 
 
@@ -87,7 +96,82 @@ def is_shared_memory_manager(pid: int) -> bool:
         return False
 
 
-def kill_descendants(grace_s: float = 3.0) -> None:
+def kill_descendants(grace_s: float = 3.0, *, final: bool = False) -> None:
     """Stop every process this one started, including hivemind's p2pd (torch's shared memory manager exits
-    by itself once they are gone, removing what they shared as it does)."""
-    terminate_tree(descendants(), grace_s)
+    by itself once they are gone, removing what they shared as it does). ``final``: this process exits next;
+    also remove what its processes shared and nobody can use any more (:func:`remove_shared_memory_left`)."""
+    pids = descendants()
+    terminate_tree(pids, grace_s)
+    if final:
+        remove_shared_memory_left(_own_descendants_seen | set(pids))
+
+
+def remove_shared_memory_left(descendant_pids: set[int]) -> list[str]:
+    """Remove the files in /dev/shm that this process and its dead ``descendant_pids`` created and that no
+    process can use any more; returns their names. Called on the way out, after the descendants are gone.
+
+    torch's shared memory manager normally removes them, but it aborts when a process dies between sending it
+    a new file's name and reading its answer (its reply fails with EPIPE and it terminates, removing nothing):
+    a peer's processes stopped in the middle of sharing a tensor left their files in RAM. A file is removed
+    when its creator is this process or a dead descendant and no other live process maps it. One this process
+    maps itself first gets one more reference in torch's count at its start: a storage that closes later
+    (torch removes the file when the last reference goes) then finds nothing to remove, instead of failing.
+    The memory itself is freed when the last mapping goes, at this process's exit at the latest.
+    """
+    own = os.getpid()
+    creators = {own} | {pid for pid in descendant_pids if not is_alive(pid)}
+    removed = []
+    try:
+        paths = [path for path in SHARED_MEMORY_DIR.glob(f"{SHARED_MEMORY_PREFIX}*") if _creator(path) in creators]
+    except OSError:
+        return removed
+    mappings = _shared_memory_mappings() if paths else {}
+    for path in paths:
+        holders = mappings.get(path.name, Counter())
+        if set(holders) - {own}:
+            continue  # a live process (another peer's, should a pid have come round again) still maps it
+        try:
+            if holders[own]:
+                _add_reference(path)
+            path.unlink()
+            removed.append(path.name)
+        except (OSError, ValueError):
+            pass
+    return removed
+
+
+def remember_descendants() -> None:
+    """Note this process's descendants now (hivemind's processes, once started), so that what they shared is
+    removed on the way out even when they end before it (:func:`remove_shared_memory_left`)."""
+    descendants()
+
+
+def _creator(path: Path) -> int | None:
+    parts = path.name.split("_")
+    return int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
+
+
+def _shared_memory_mappings() -> dict[str, Counter]:
+    """For each torch file in /dev/shm that live processes map: how many mappings each process holds."""
+    mappings: dict[str, Counter] = {}
+    marker = f"{SHARED_MEMORY_DIR}/{SHARED_MEMORY_PREFIX}"
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as handle:
+                for line in handle:
+                    if marker in line:
+                        name = line[line.index(marker) + len(str(SHARED_MEMORY_DIR)) + 1:].split()[0]
+                        mappings.setdefault(name, Counter())[int(entry)] += 1
+        except OSError:
+            continue
+    return mappings
+
+
+def _add_reference(path: Path) -> None:
+    """One more in the reference count torch keeps at the start of a shared memory file (an int32, one per
+    storage that maps the file; torch removes the file when it falls to zero)."""
+    with open(path, "r+b") as handle, mmap.mmap(handle.fileno(), 4) as header:
+        count = int.from_bytes(header[:4], "little", signed=True)
+        header[:4] = (count + 1).to_bytes(4, "little", signed=True)

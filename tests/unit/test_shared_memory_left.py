@@ -6,12 +6,15 @@ Stopped together with the peer's other children, it left them behind: in RAM unt
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from geotrain.processes import descendants, is_shared_memory_manager, terminate_tree
+from geotrain.processes import descendants, is_alive, is_shared_memory_manager, terminate_tree
 
 PEER = """
 import multiprocessing, time
@@ -68,6 +71,78 @@ def test_stopping_every_process_of_a_peer_from_outside_leaves_no_shared_memory()
         while files_of(process.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not files_of(process.pid), f"left in /dev/shm: {files_of(process.pid)}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+PEER_WITH_A_TENSOR_IN_FLIGHT = """
+import multiprocessing, sys, time
+import torch
+import hivemind  # (sets torch's file_system sharing strategy, as in every peer)
+from geotrain.processes import kill_descendants
+
+kept = torch.zeros(4096).share_memory_()  # this process's own, mapped until it exits
+manager_handle = kept.untyped_storage()._share_filename_cpu_()[0].decode()
+context = multiprocessing.get_context("fork")
+queue = context.Queue()
+reader = context.Process(target=time.sleep, args=(600,))  # never reads what it is sent
+reader.start()
+queue.put(torch.ones(4096))  # shared through /dev/shm; its reference is held until it is read: never
+time.sleep(0.5)
+print(manager_handle, reader.pid, flush=True)
+sys.stdin.readline()
+kill_descendants(grace_s=1.0, final=True)  # what a peer does on its way out
+if sys.argv[1] == "close":
+    del kept  # a storage that closes after that: torch finds nothing to remove, and does not fail
+"""
+
+
+def abort_the_manager(handle: str) -> None:
+    """What a process that dies between sending torch's manager a new file's name and reading its answer does
+    to it: the answer fails with EPIPE and the manager terminates (torch 2.x), removing nothing."""
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(handle)
+    client.shutdown(socket.SHUT_RD)  # (as if gone: the manager's answer cannot be delivered)
+    client.send(struct.pack("=ib60s3x", os.getpid(), 0, b"/torch_never_made"))
+    time.sleep(0.5)
+    client.close()
+
+
+def test_a_peer_whose_shared_memory_manager_died_still_leaves_no_shared_memory():
+    # (a storage closed after the manager died would abort the process: torch tells the manager, EPIPE)
+    process = subprocess.Popen([sys.executable, "-c", PEER_WITH_A_TENSOR_IN_FLIGHT, "keep"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        handle, reader = process.stdout.readline().split()
+        managers = [pid for pid in descendants(process.pid) if is_shared_memory_manager(pid)]
+        assert managers and len(files_of(process.pid)) >= 2, "nothing shared and in flight: checks nothing"
+        abort_the_manager(handle)
+        deadline = time.monotonic() + 10
+        while any(is_alive(pid) for pid in managers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(is_alive(pid) for pid in managers), "the manager survived: the test checks nothing"
+        process.stdin.write("stop\n")
+        process.stdin.flush()
+        assert process.wait(timeout=60) == 0
+        left = files_of(process.pid) + files_of(int(reader))
+        assert not left, f"left in /dev/shm: {left}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_a_storage_closed_after_the_cleanup_on_the_way_out_is_no_error():
+    process = subprocess.Popen([sys.executable, "-c", PEER_WITH_A_TENSOR_IN_FLIGHT, "close"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, reader = process.stdout.readline().split()
+        assert len(files_of(process.pid)) >= 2
+        process.stdin.write("stop\n")
+        process.stdin.flush()
+        assert process.wait(timeout=60) == 0, process.stderr.read()[-2000:]
+        left = files_of(process.pid) + files_of(int(reader))
+        assert not left, f"left in /dev/shm: {left}"
     finally:
         if process.poll() is None:
             process.kill()
