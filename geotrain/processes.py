@@ -1,4 +1,4 @@
-"""Make sure a peer leaves nothing running behind it.
+"""Make sure a peer leaves nothing running behind it, nor what its processes shared in /dev/shm.
 
 hivemind runs its DHT and averagers in forked child processes, and the DHT's child starts the
 ``p2pd`` daemon. A peer that is stopped by a signal must take all of them down with it
