@@ -2,7 +2,9 @@
 
 hivemind shares tensors with its averager processes through files in /dev/shm (torch's file_system strategy);
 torch's ``torch_shm_manager``, a child of the process, removes them once every process that used them is gone.
-Stopped together with the peer's other children, it left them behind: in RAM until the next reboot."""
+Stopped together with the peer's other children (or by ``lab down`` from outside), it left them behind: in RAM
+until the next reboot. It also aborts, removing nothing, when a client hangs up before reading its answer to a
+new file's name; the peer then removes what it and its children shared on its way out."""
 
 from __future__ import annotations
 
