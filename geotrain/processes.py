@@ -100,10 +100,9 @@ def kill_descendants(grace_s: float = 3.0, *, final: bool = False) -> None:
     """Stop every process this one started, including hivemind's p2pd (torch's shared memory manager exits
     by itself once they are gone, removing what they shared as it does). ``final``: this process exits next;
     also remove what its processes shared and nobody can use any more (:func:`remove_shared_memory_left`)."""
-    pids = descendants()
-    terminate_tree(pids, grace_s)
+    terminate_tree(descendants(), grace_s)
     if final:
-        remove_shared_memory_left(_own_descendants_seen | set(pids))
+        remove_shared_memory_left(_own_descendants_seen)  # (descendants() has added the ones just stopped)
 
 
 def remove_shared_memory_left(descendant_pids: set[int]) -> list[str]:
