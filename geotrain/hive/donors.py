@@ -22,6 +22,8 @@ in :mod:`geotrain.hive.guard`) download with :func:`download_state` instead:
 3. **Report**: progress (MB, MB/s, ETA) in the log every ``LOG_EVERY_S``; the shared
    :class:`DownloadProgress` feeds the peer's metrics (``geotrain_state_download_*``); each attempt is an
    event ``state_download`` (donor, its region and round trip, result, bytes, seconds).
+4. **Hold**: the peer's main process may ask (:class:`DownloadHold`) that a download in progress stop and
+   start again later: one that would land after the swarm's next step (:mod:`geotrain.hive.late_download`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ PROBE_TIMEOUT_S = 2.0
 PROBATION_S = 10.0
 RTT_RESOLUTION_S = 0.005
 STATE_BYTES_KEY = "geotrain_state_bytes"  # added to the metadata a donor sends (geotrain.hive.guard)
-RESULTS = ("ok", "stalled", "slow", "empty", "failed", "refused")
+RESULTS = ("ok", "stalled", "slow", "empty", "failed", "refused", "held")
+HELD = "held"
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,39 @@ class DownloadProgress:
         return snapshot
 
 
+class DownloadHold:
+    """The peer's main process asks its averager's process to stop the download in progress and to start it
+    again once released (shared memory, made before the averagers fork)."""
+
+    def __init__(self):
+        self._requested = multiprocessing.Event()
+        self._released = multiprocessing.Event()
+        self._limit_s = multiprocessing.Value("d", 0.0, lock=True)
+
+    def request(self, limit_s: float) -> None:
+        """Stop the download in progress; the next one starts when released, or after ``limit_s`` at most."""
+        self._limit_s.value = limit_s
+        self._released.clear()
+        self._requested.set()
+
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    def release(self) -> None:
+        self._requested.clear()
+        self._released.set()
+
+    def wait_for_release(self) -> bool:
+        """(the averager's process) Block until released (True) or the limit passed (False)."""
+        released = self._released.wait(self._limit_s.value)
+        self._requested.clear()
+        return released
+
+    def reset(self) -> None:
+        self._requested.clear()
+        self._released.clear()
+
+
 @dataclass
 class Attempt:
     donor: Donor
@@ -181,8 +217,10 @@ class Attempt:
 
 
 async def fetch_from(averager, donor: Donor, *, last: bool, stall_s: float, min_rate_bytes_s: float,
-                     progress: DownloadProgress | None, probation_s: float = PROBATION_S) -> Attempt:
-    """One donor's state, watched: stalled, slow (unless ``last``, then bounded by bytes / min rate), empty."""
+                     progress: DownloadProgress | None, probation_s: float = PROBATION_S,
+                     hold: DownloadHold | None = None) -> Attempt:
+    """One donor's state, watched: stalled, slow (unless ``last``, then bounded by bytes / min rate), empty;
+    held when ``hold`` is requested."""
     started = time.monotonic()
     received, expected, metadata = 0, None, None
     tensors, parts = [], []
@@ -208,6 +246,8 @@ async def fetch_from(averager, donor: Donor, *, last: bool, stall_s: float, min_
                 parts = []
             parts.append(message.tensor_part)
             received += len(message.tensor_part.buffer)
+            if hold is not None and hold.requested():
+                return Attempt(donor, HELD, received, time.monotonic() - started)
             now = time.monotonic()
             elapsed = now - started
             rate = received / elapsed if elapsed > 0 else 0.0
@@ -240,16 +280,18 @@ async def fetch_from(averager, donor: Donor, *, last: bool, stall_s: float, min_
 
 async def download_state(averager, donors: list[Donor], *, stall_s: float, min_rate_bytes_s: float,
                          probation_s: float = PROBATION_S, progress: DownloadProgress | None = None,
-                         on_attempt=None, refusal=None) -> Attempt | None:
+                         on_attempt=None, refusal=None, hold: DownloadHold | None = None) -> Attempt | None:
     """Ask ``donors`` in order until one sends a whole state that ``refusal(attempt)`` (when given) finds
-    nothing wrong with (it returns a reason, or None); the successful attempt, or None."""
+    nothing wrong with (it returns a reason, or None); the successful attempt, the held one (``hold`` was
+    requested: no other donor is asked), or None."""
     for index, donor in enumerate(donors):
         if donor.peer_id == averager.peer_id.to_base58():
             continue
         logger.info("downloading the state from %s (%s, %s)", donor.peer_id, donor.region or "region unknown",
                     "round trip unknown" if donor.rtt_s is None else f"round trip {1000 * donor.rtt_s:.0f} ms")
         attempt = await fetch_from(averager, donor, last=index == len(donors) - 1, stall_s=stall_s,
-                                   min_rate_bytes_s=min_rate_bytes_s, progress=progress, probation_s=probation_s)
+                                   min_rate_bytes_s=min_rate_bytes_s, progress=progress, probation_s=probation_s,
+                                   hold=hold)
         reason = refusal(attempt) if refusal is not None and attempt.result == "ok" else None
         if reason is not None:
             attempt = Attempt(donor, "refused", attempt.received_bytes, attempt.seconds)
@@ -261,6 +303,10 @@ async def download_state(averager, donors: list[Donor], *, stall_s: float, min_r
             logger.info("downloaded the state from %s (%s): %.1f MB in %.1f s (%.2f MB/s)", donor.peer_id,
                         donor.region or "region unknown", attempt.received_bytes / 1e6, attempt.seconds,
                         attempt.bytes_per_second / 1e6)
+            return attempt
+        if attempt.result == HELD:
+            logger.info("state download from %s held after %.1f s (%s): it would land after the swarm's next "
+                        "step", donor.peer_id, attempt.seconds, _megabytes(attempt.received_bytes, None))
             return attempt
         if attempt.result != "empty":
             logger.warning("state download from %s %s after %.1f s (%s, %.2f MB/s)%s", donor.peer_id,

@@ -38,8 +38,8 @@ from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
-from geotrain.hive.donors import (PROBATION_S, PROBE_TIMEOUT_S, STATE_BYTES_KEY, DownloadProgress, donor_labels,
-                                  download_state, measure_donors, rank_donors)
+from geotrain.hive.donors import (HELD, PROBATION_S, PROBE_TIMEOUT_S, STATE_BYTES_KEY, DownloadHold, DownloadProgress,
+                                  donor_labels, download_state, measure_donors, rank_donors)
 from geotrain.hive.metric_records import read_records
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class GuardReport:
         self._allowed_donors = multiprocessing.Array("c", self.ALLOWED_DONORS * SharedBans.SLOT_BYTES, lock=True)
         self._last_donor = multiprocessing.Array("c", 2 * SharedBans.SLOT_BYTES + 1, lock=True)
         self.downloads = DownloadProgress()
+        self.download_hold = DownloadHold()
         self._averaging_bytes = multiprocessing.Array("q", len(AVERAGING_DIRECTIONS), lock=True)
 
     ALLOWED_DONORS = 64
@@ -224,13 +225,15 @@ class GuardedAveragerMixin:
     guard_max_weight = float("inf")
     # where state downloads come from (geotrain.hive.donors): this peer's region and run (for the donors'
     # records), the rate below which a donor is dropped, how long one may send nothing, and how many epochs
-    # a donor may be behind the newest and still count as current
+    # a donor may be behind the newest and still count as current; the longest a download is held for the
+    # swarm's step (0: never held)
     donor_region: str | None = None
     donor_run_id: str | None = None
     donor_min_rate_bytes_s = 125_000.0
     donor_stall_s = 15.0
     donor_probation_s = PROBATION_S
     donor_epoch_tolerance = 1
+    donor_hold_limit_s = 0.0
 
     _get_handle_name = classmethod(lambda cls, namespace, method_name: hivemind_handle_name(cls, namespace,
                                                                                            method_name))
@@ -355,9 +358,12 @@ class GuardedAveragerMixin:
 
     def load_state_from_peers(self, *args, **kwargs):
         """hivemind's download, waited for as long as the state's bytes take at the expected rate (the
-        averager's process drops stalled and slow donors: geotrain.hive.donors), not a fixed timeout."""
+        averager's process drops stalled and slow donors: geotrain.hive.donors), not a fixed timeout; a
+        download held for the swarm's step (geotrain.hive.late_download) may take the hold and a second one."""
         if kwargs.get("timeout") is not None:
-            kwargs["timeout"] = max(kwargs["timeout"], self.state_download_bound_s())
+            bound_s = self.state_download_bound_s()
+            kwargs["timeout"] = max(kwargs["timeout"], bound_s) + \
+                (self.donor_hold_limit_s + bound_s if self.donor_hold_limit_s > 0 else 0.0)
         return super().load_state_from_peers(*args, **kwargs)
 
     def state_download_bound_s(self, donors: int = 3) -> float:
@@ -381,6 +387,17 @@ class GuardedAveragerMixin:
                 future.set_result(None)
 
     async def _download_from_nearest_donor(self):
+        """The nearest donor's state; a download held by the peer's main process (it would land after the
+        swarm's next step: geotrain.hive.late_download) starts again, from the donors then, once released."""
+        hold = self.guard_report.download_hold if self.guard_report is not None else None
+        attempt = await self._download_once(hold)
+        if attempt is None or attempt.result != HELD:
+            return attempt
+        released = await asyncio.get_running_loop().run_in_executor(None, hold.wait_for_release)
+        logger.info("downloading the state again%s", "" if released else " (the swarm did not step in time)")
+        return await self._download_once(None)
+
+    async def _download_once(self, hold):
         report = self.guard_report
         allowed = report.allowed_donors() if report is not None else None
         banned = report.bans.active() if report is not None else set()
@@ -401,7 +418,8 @@ class GuardedAveragerMixin:
         return await download_state(self, donors, stall_s=self.donor_stall_s,
                                     min_rate_bytes_s=self.donor_min_rate_bytes_s, probation_s=self.donor_probation_s,
                                     progress=None if report is None else report.downloads,
-                                    on_attempt=self._report_download_attempt, refusal=self._refuse_non_finite_state)
+                                    on_attempt=self._report_download_attempt, refusal=self._refuse_non_finite_state,
+                                    hold=hold)
 
     def _refuse_non_finite_state(self, attempt) -> str | None:
         """A state with non-finite values is refused, and its donor left out for ``ban_s`` (the download goes on

@@ -6,6 +6,7 @@ without ever stepping). :class:`MeasuredOptimizer` reports how each gradient ave
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from functools import partial
@@ -22,6 +23,7 @@ from geotrain.hive.diloco import OuterStateAverager, diloco_optimizer_class
 from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm_token
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
 from geotrain.hive.keys import swarm_epoch_and_trainers
+from geotrain.hive.late_download import LateDownloadWatch, SwarmClock, late_download_hold_limit_s
 from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.missed_round import watch_round
 from geotrain.hive.part_reducer import install as install_part_reducer_fix
@@ -284,11 +286,25 @@ class MeasuredOptimizer(hivemind.Optimizer):
                 self._tag_along_with_zero_weight(self.scheduled_grads)  # (hivemind's first move, made before the wait)
                 self.scheduled_grads = None
             self._wait_while_the_swarm_steps()
-        result = super().load_state_from_peers(**kwargs)
+        with self._late_download_watch():
+            result = super().load_state_from_peers(**kwargs)
         # hivemind moves a peer that loaded a state one epoch old up to the swarm's epoch ("catching up") without
         # stepping the learning rate schedule: that epoch would run at the previous epoch's rate
         self.state_averager._update_scheduler()
         return result
+
+    def _late_download_watch(self):
+        """A sync-mode trainer's download that would land after the swarm's step is held until the step
+        (geotrain.hive.late_download)."""
+        averager = self.state_averager
+        report = getattr(averager, "guard_report", None)
+        if report is None or getattr(averager, "donor_hold_limit_s", 0.0) <= 0 or not self.use_gradient_averaging \
+                or self.auxiliary:
+            return contextlib.nullcontext()
+        clock = SwarmClock.from_progress(self.tracker.global_progress, self.matchmaking_time, get_dht_time())
+        return LateDownloadWatch(report.download_hold, report.downloads, clock, self.matchmaking_time,
+                                 averager.donor_hold_limit_s,
+                                 swarm_epoch=lambda: swarm_epoch_and_trainers(self.dht, self.run_id)[0])
 
     def _wait_while_the_swarm_steps(self) -> None:
         """Before a download: while the swarm's round is under way or about to be, wait until it has stepped.
@@ -403,6 +419,8 @@ def guarded(averager_class: type, admission: Admission, report: GuardReport, con
                  "donor_region": config.metrics.region, "donor_run_id": config.swarm.run_id,
                  "donor_min_rate_bytes_s": opt.state_download_min_mbit_s * 1e6 / 8,
                  "donor_stall_s": opt.state_download_stall_s,
+                 "donor_hold_limit_s": late_download_hold_limit_s(opt.round_matchmaking_time_s,
+                                                                  opt.averaging_timeout_s),
                  # a DiLoCo state one round old is a different model (sync mode: hivemind's catch-up covers one)
                  "donor_epoch_tolerance": 0 if opt.mode == "diloco" else 1})
 

@@ -127,6 +127,16 @@ class GoodDonor(GuardedAveragerMixin, DecentralizedAverager):
     guard_config = GuardConfig()
 
 
+class SteadyDonor(GoodDonor):
+    """A geotrain donor behind a thin link: 64 KiB every 0.2 s (a downloader that expects that little waits)."""
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in super().rpc_download_state(request, context):
+            await asyncio.sleep(0.2)
+            yield message
+
+
 class Downloader(GuardedAveragerMixin, DecentralizedAverager):
     guard_config = GuardConfig()
     donor_stall_s = 2.0
@@ -151,12 +161,12 @@ class Swarm:
         self.averagers.append(averager)
         return averager
 
-    def downloader(self, *donors, events_path=None):
+    def downloader(self, *donors, events_path=None, downloader_class=None):
         """After ``donors`` (class, value, priority) announce their states, an averager that downloads (with
         geotrain's donor choice) and its report."""
         made = [self.averager(cls, value, priority=priority) for cls, value, priority in donors]
         report = GuardReport(events_path)
-        downloader_class = type("TestDownloader", (Downloader,), {"guard_report": report})
+        downloader_class = type("TestDownloader", (downloader_class or Downloader,), {"guard_report": report})
         downloader = self.averager(downloader_class, 0.0, priority=0.0, allow_state_sharing=False)
         _wait_for_donors(self.first, len(donors))
         return made, downloader, report
@@ -222,3 +232,29 @@ def test_a_donor_whose_state_is_not_finite_is_refused_banned_and_the_next_one_as
     # with the finite donor gone too, nothing is loaded: the peer keeps what it has
     report.bans.ban(good.peer_id.to_base58(), 600)
     assert downloader.load_state_from_peers(timeout=60) is None
+
+
+def test_a_held_download_stops_and_brings_the_state_the_donor_holds_once_released(swarm):
+    patient = type("PatientDownloader", (Downloader,), {"donor_min_rate_bytes_s": 1e4})
+    (donor,), downloader, report = swarm.downloader((SteadyDonor, 3.0, 9.0), downloader_class=patient)
+    loading = downloader.load_state_from_peers(wait=False)
+    wait_until(lambda: report.downloads.snapshot()["received_bytes"] > 0, "the first bytes")
+    report.download_hold.request(limit_s=60)  # what the peer's main process does (geotrain.hive.late_download)
+    wait_until(lambda: report.downloads.snapshot()["attempts"]["held"] == 1, "the held attempt")
+    with donor.get_tensors() as tensors:  # the swarm steps: the donor holds a new state
+        tensors[0].fill_(7.0)
+    time.sleep(1.0)
+    assert not loading.done(), "the download went on before it was released"
+    report.download_hold.release()
+    _, tensors = loading.result(timeout=60)
+    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 7.0)), "the state is not the one the donor held then"
+    assert report.downloads.snapshot()["attempts"]["ok"] == 1
+
+
+def wait_until(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

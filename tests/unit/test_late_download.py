@@ -1,0 +1,106 @@
+"""A state download that would land after the swarm's next step is held until the swarm has stepped
+(geotrain.hive.late_download); the averager's side of the hold is in test_donors.py."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+from hivemind.optim.progress_tracker import GlobalTrainingProgress
+from hivemind.utils import get_dht_time
+
+from geotrain.hive.donors import DownloadHold, DownloadProgress
+from geotrain.hive.late_download import MIN_RATE_WINDOW_S, LateDownloadWatch, SwarmClock, lands_late
+
+MB = 1e6
+
+
+def test_the_clock_reads_the_round_from_the_swarms_eta():
+    now = 1000.0
+    # half the batch of 4096 is missing and due in 10 s: the swarm collects a whole batch in 20 s
+    progress = GlobalTrainingProgress(epoch=7, samples_accumulated=2048, target_batch_size=4096, num_peers=4,
+                                      num_clients=0, eta_next_epoch=now + 10, next_fetch_time=now + 1)
+    clock = SwarmClock.from_progress(progress, matchmaking_time_s=2.0, now=now)
+    assert (clock.epoch, clock.group_forms_at, clock.round_s) == (7, now + 8, 20.0)
+    # no step in view (no peer collects samples): nothing to be late for
+    idle = GlobalTrainingProgress(7, 0, 4096, 0, 0, math.inf, now + 1)
+    assert SwarmClock.from_progress(idle, 2.0, now).group_forms_at == math.inf
+
+
+def test_only_a_download_that_ends_after_the_group_forms_and_fits_in_a_round_is_held():
+    clock = SwarmClock(epoch=3, group_forms_at=1010.0, round_s=20.0)
+    # 29.7 MB at 2.5 MB/s, 11.9 s in all: with 6 MB in at 1000.2 it ends at 1009.7, before the group forms
+    assert not lands_late(clock, 1000.2, 6 * MB, 29.7 * MB, 2.5 * MB, matchmaking_time_s=2.0)
+    # with 12 MB in at 1007 it ends at 1014.1, after the group forms at 1010; a new download after the step
+    # (11.9 s) fits before the next group forms (20 - 2 s after the step)
+    assert lands_late(clock, 1007.0, 12 * MB, 29.7 * MB, 2.5 * MB, matchmaking_time_s=2.0)
+    # a state that takes longer than a round arrives late whenever it starts: holding it would not help
+    assert not lands_late(clock, 1007.0, 12 * MB, 60 * MB, 2.5 * MB, matchmaking_time_s=2.0)
+    # a donor that did not say the state's size, or no rate yet: no judgement
+    assert not lands_late(clock, 1007.0, 12 * MB, 0, 2.5 * MB, matchmaking_time_s=2.0)
+    assert not lands_late(clock, 1007.0, 12 * MB, 29.7 * MB, 0, matchmaking_time_s=2.0)
+
+
+class Averager:
+    """The averager's side of the hold, as geotrain.hive.guard runs it: wait for the release, in a thread."""
+
+    def __init__(self, hold: DownloadHold):
+        self.hold, self.released = hold, None
+        self.thread = threading.Thread(target=self._wait, daemon=True)
+
+    def _wait(self):
+        self.released = self.hold.wait_for_release()
+
+
+def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def watch(clock: SwarmClock, epoch: list[int], hold_limit_s: float = 30.0):
+    hold, progress = DownloadHold(), DownloadProgress()
+    return hold, progress, LateDownloadWatch(hold, progress, clock, matchmaking_time_s=1.0,
+                                             hold_limit_s=hold_limit_s, swarm_epoch=lambda: epoch[0])
+
+
+def test_a_late_download_is_held_until_the_swarm_has_stepped():
+    epoch = [3]
+    clock = SwarmClock(epoch=3, group_forms_at=get_dht_time() + 3.0, round_s=60.0)
+    hold, progress, late = watch(clock, epoch)
+    with late:
+        progress.update(1 * MB, 20 * MB, 1 * MB)  # 19 s to go, the group forms in 3 s: late
+        wait_until(hold.requested, "the hold")
+        averager = Averager(hold)
+        averager.thread.start()
+        time.sleep(1.5)
+        assert averager.thread.is_alive(), "released before the swarm stepped"
+        epoch[0] = 4  # a trainer's progress record holds the new epoch: the swarm has stepped
+        averager.thread.join(5.0)
+        assert averager.released is True and not hold.requested()
+    assert late.held_s is not None and late.held_s >= 1.5
+
+
+def test_a_download_that_ends_in_time_is_not_held_and_a_hold_ends_at_its_limit():
+    epoch = [3]
+    clock = SwarmClock(epoch=3, group_forms_at=get_dht_time() + 30.0, round_s=60.0)
+    hold, progress, late = watch(clock, epoch)
+    with late:
+        progress.update(1 * MB, 20 * MB, 1 * MB)  # ends in 19 s, the group forms in 30 s
+        time.sleep(MIN_RATE_WINDOW_S + 1.0)
+        assert not hold.requested()
+    # the swarm never steps: the hold ends after its limit, and the averager downloads anyway
+    clock = SwarmClock(epoch=3, group_forms_at=get_dht_time(), round_s=60.0)
+    hold, progress, late = watch(clock, epoch, hold_limit_s=2.0)
+    with late:
+        progress.update(1 * MB, 20 * MB, 1 * MB)
+        wait_until(hold.requested, "the hold")
+        averager = Averager(hold)
+        averager.thread.start()
+        wait_until(lambda: late.held_s is not None, "the end of the hold")
+    averager.thread.join(5.0)
+    assert averager.released is True and 1.5 <= late.held_s < 5.0
