@@ -40,7 +40,7 @@ from geotrain.events import EventLog
 from geotrain.hive.dht import start_dht, visible_addresses
 from geotrain.hive.finalize import agree_on_final_state
 from geotrain.hive.keys import announce_trainer, announced_trainers, best_donor_epoch, read_progress
-from geotrain.hive.leave import leave_swarm, withdraw_from_rounds
+from geotrain.hive.leave import leave_swarm, stop_offering_state, withdraw_from_rounds
 from geotrain.hive.guard import GuardReport
 from geotrain.hive.optimizer import build_hivemind_optimizer
 from geotrain.hive.state import current_learning_rate, parameters_sha256
@@ -156,6 +156,7 @@ class Trainer:
             optimizer.on_outer_round = partial(self._on_outer_round, peer_id)
         stopper.reclaim_signals()  # hivemind's averagers set SIGINT to SIG_IGN in this process
         stopper.on_stop(partial(withdraw_from_rounds, optimizer))  # no new group may count on a leaving peer
+        stopper.on_stop(partial(stop_offering_state, optimizer))  # nor a new downloader
         self.reporter = MetricsReporter(dht, config.swarm.run_id, "trainer", config.metrics, self.progress, self.metrics)
         self.reporter.start()
         agreed = False

@@ -206,7 +206,8 @@ class _DownloadCollector:
         values = list(self.labels.values())
         attempts = CounterMetricFamily("geotrain_state_download_attempts", "State downloads this peer tried, by "
                                        "result (ok; stalled, slow, failed, refused: the next donor was asked; "
-                                       "empty: the donor did not share)", labels=[*names, "result"])
+                                       "empty: the donor did not share; held: it would have ended after the "
+                                       "swarm's step, and began again after it)", labels=[*names, "result"])
         received = CounterMetricFamily("geotrain_state_download_received_bytes", "State bytes this peer received "
                                        "from donors, every attempt", labels=names)
         progress = GaugeMetricFamily("geotrain_state_download_progress_bytes", "The download in progress: bytes "

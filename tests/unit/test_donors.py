@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from types import SimpleNamespace
 from typing import AsyncIterator
 
 import hivemind
@@ -23,6 +24,7 @@ from geotrain.config import GuardConfig, load_config
 from geotrain.events import read_events
 from geotrain.hive.donors import Donor, donor_labels, probe_rtt_s, rank_donors
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
+from geotrain.hive.leave import stop_offering_state
 from geotrain.hive.metric_records import MetricRecord, PeerRecord
 
 
@@ -249,6 +251,23 @@ def test_a_held_download_stops_and_brings_the_state_the_donor_holds_once_release
     _, tensors = loading.result(timeout=60)
     assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 7.0)), "the state is not the one the donor held then"
     assert report.downloads.snapshot()["attempts"]["ok"] == 1
+
+
+def test_a_leaving_peer_offers_its_state_to_no_new_downloader(swarm):
+    # the leaving donor announces the higher priority: it would be asked first
+    (leaving, staying), downloader, report = swarm.downloader((GoodDonor, 2.0, 9.0), (GoodDonor, 3.0, 8.0))
+    stop_offering_state(SimpleNamespace(state_averager=leaving))  # what a stop request does (geotrain.trainer)
+    wait_until(lambda: leaving.peer_id.to_bytes() not in _announced(swarm.first), "the withdrawn donor record")
+    _, tensors = downloader.load_state_from_peers(timeout=60)
+    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 3.0)), "the state came from the leaving peer"
+    assert report.downloads.snapshot()["attempts"]["ok"] == 1
+
+
+def _announced(dht) -> set[bytes]:
+    found = dht.get("donors.all_averagers", latest=True)
+    if found is None:
+        return set()
+    return {subkey for subkey, entry in found.value.items() if entry.value is not None}
 
 
 def wait_until(condition, what: str, timeout_s: float = 30) -> None:
