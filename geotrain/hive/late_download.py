@@ -6,14 +6,15 @@ loads the state again. Seen in the churn soak (docs/state-transfer.md): a rejoin
 12 s download 7 s before the swarm's step, got a state one epoch old, and downloaded it again (12 s more).
 Before a download the peer waits while the swarm is stepping (``MeasuredOptimizer._wait_while_the_swarm_steps``);
 how long the download itself will take is known only once it runs. So, while it runs, :class:`LateDownloadWatch`
-(in the peer's main process, which sees the swarm's progress) compares its measured rate with the swarm's clock
-and holds it (:class:`geotrain.hive.donors.DownloadHold`) when it would end after the group forms and a fresh
-download started after the step fits before the group after. The averager's process stops that download,
+(in the peer's main process, which sees the swarm's progress) compares its rate over the last seconds with the
+swarm's clock and holds it (:class:`geotrain.hive.donors.DownloadHold`) when it would end after the group forms
+and a fresh download started after the step fits before the group after. The averager's process stops that download,
 waits for the release, and downloads again, from the donors that hold the new epoch by then.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -28,6 +29,8 @@ from geotrain.hive.donors import DownloadHold, DownloadProgress
 logger = logging.getLogger(__name__)
 
 MIN_RATE_WINDOW_S = 2.0  # a download's rate measured over less than this is not trusted
+RATE_WINDOW_S = 4.0  # the rate is the last seconds' (a connection's first ones run slower: 1.95 of 2.56 MB/s)
+RATE_MARGIN = 0.15  # late only when it would end after the group forms even at a rate this much higher
 POLL_S = 0.25
 EPOCH_POLL_S = 1.0  # how often a held download looks for the swarm's new epoch (one DHT read each)
 
@@ -57,12 +60,12 @@ class SwarmClock:
 
 def lands_late(clock: SwarmClock, now: float, received_bytes: float, expected_bytes: float,
                bytes_per_second: float, matchmaking_time_s: float) -> bool:
-    """Whether a download in progress should be held: at its rate so far it ends after the swarm's group forms,
-    and a whole download started after the step ends before the next group forms."""
+    """Whether a download in progress should be held: at its recent rate (give or take ``RATE_MARGIN``) it ends
+    after the swarm's group forms, and a whole download started after the step ends before the next group forms."""
     if expected_bytes <= 0 or bytes_per_second <= 0:
         return False
-    finishes_at = now + max(0.0, expected_bytes - received_bytes) / bytes_per_second
-    if finishes_at <= clock.group_forms_at:
+    remaining_s = max(0.0, expected_bytes - received_bytes) / bytes_per_second
+    if now + remaining_s * (1 - RATE_MARGIN) <= clock.group_forms_at:
         return False
     return expected_bytes / bytes_per_second < clock.round_s - matchmaking_time_s
 
@@ -92,29 +95,31 @@ class LateDownloadWatch:
     def _watch(self) -> None:
         if not math.isfinite(self.clock.group_forms_at):
             return  # the swarm has no step in view: nothing to be late for
-        measuring_since = None
+        samples: collections.deque = collections.deque()  # (monotonic s, bytes received) of this attempt
         while not self._done.wait(POLL_S):
             snapshot = self.progress.snapshot()
-            if snapshot["received_bytes"] <= 0:
-                measuring_since = None  # between attempts, or before the first bytes
+            received, now_s = snapshot["received_bytes"], time.monotonic()
+            if received <= 0 or (samples and received < samples[-1][1]):
+                samples.clear()  # between attempts, or before the first bytes
                 continue
-            measuring_since = measuring_since or time.monotonic()
-            if time.monotonic() - measuring_since < MIN_RATE_WINDOW_S:
+            samples.append((now_s, received))
+            while len(samples) > 2 and now_s - samples[1][0] >= RATE_WINDOW_S:
+                samples.popleft()
+            window_s = now_s - samples[0][0]
+            if window_s < MIN_RATE_WINDOW_S:
                 continue
+            rate = (received - samples[0][1]) / window_s
             now = get_dht_time()
-            if lands_late(self.clock, now, snapshot["received_bytes"], snapshot["expected_bytes"],
-                          snapshot["bytes_per_second"], self.matchmaking_time_s):
-                self._hold_until_the_swarm_steps(now, snapshot)
+            if lands_late(self.clock, now, received, snapshot["expected_bytes"], rate, self.matchmaking_time_s):
+                self._hold_until_the_swarm_steps(now, received, snapshot["expected_bytes"], rate)
                 return
 
-    def _hold_until_the_swarm_steps(self, now: float, snapshot: dict) -> None:
-        rate = snapshot["bytes_per_second"]
-        remaining_s = (snapshot["expected_bytes"] - snapshot["received_bytes"]) / rate
+    def _hold_until_the_swarm_steps(self, now: float, received: float, expected: float, rate: float) -> None:
+        remaining_s = (expected - received) / rate
         limit_s = max(0.0, self.clock.group_forms_at - now) + self.hold_limit_s
         logger.info("the state download would end in %.1f s (%.2f MB/s), after the swarm forms the group of its step "
                     "(in %.1f s): holding it until the swarm has stepped, then downloading the new state (%.1f s)",
-                    remaining_s, rate / 1e6, max(0.0, self.clock.group_forms_at - now),
-                    snapshot["expected_bytes"] / rate)
+                    remaining_s, rate / 1e6, max(0.0, self.clock.group_forms_at - now), expected / rate)
         started = time.monotonic()
         self.hold.request(limit_s)
         deadline = started + limit_s
