@@ -26,6 +26,7 @@ from geotrain.hive.donors import Donor, donor_labels, probe_rtt_s, rank_donors
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
 from geotrain.hive.leave import stop_offering_state
 from geotrain.hive.metric_records import MetricRecord, PeerRecord
+from waiting import wait_until
 
 
 # --- the order ---------------------------------------------------------------------------------------------
@@ -268,12 +269,3 @@ def _announced(dht) -> set[bytes]:
     if found is None:
         return set()
     return {subkey for subkey, entry in found.value.items() if entry.value is not None}
-
-
-def wait_until(condition, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")

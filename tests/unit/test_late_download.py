@@ -12,6 +12,7 @@ from hivemind.utils import get_dht_time
 
 from geotrain.hive.donors import DownloadHold, DownloadProgress
 from geotrain.hive.late_download import MIN_RATE_WINDOW_S, LateDownloadWatch, SwarmClock, lands_late
+from waiting import wait_until
 
 MB = 1e6
 
@@ -77,15 +78,6 @@ class Averager:
 
     def _wait(self):
         self.released = self.hold.wait_for_release()
-
-
-def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def watch(clock: SwarmClock, epoch: list[int], hold_limit_s: float = 30.0):

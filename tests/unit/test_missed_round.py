@@ -25,6 +25,7 @@ from hivemind.utils.mpfuture import MPFuture
 from geotrain.config import load_config
 from geotrain.hive.missed_round import watch_round
 from optimizer_pair import optimizer_pair
+from waiting import wait_until
 
 RUN_ID = "missed-round"
 
@@ -39,15 +40,6 @@ def sync_config():
 def trainers():
     with optimizer_pair(sync_config()) as made:
         yield made
-
-
-def wait_until(condition, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def donor_moves_to_epoch_one(optimizer) -> None:
@@ -99,7 +91,6 @@ def test_a_trainer_at_the_swarms_epoch_steps_on_without_a_download(trainers):
     assert optimizer.local_epoch == 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), "the state was replaced"
     assert optimizer.tracker.local_progress.samples_accumulated == 4, "this micro-batch was not accumulated"
-
 
 
 def looking_for_a_group() -> StepControl:
