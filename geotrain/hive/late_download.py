@@ -8,8 +8,8 @@ Before a download the peer waits while the swarm is stepping (``MeasuredOptimize
 how long the download itself will take is known only once it runs. So, while it runs, :class:`LateDownloadWatch`
 (in the peer's main process, which sees the swarm's progress) compares its rate over the last seconds with the
 swarm's clock and holds it (:class:`geotrain.hive.donors.DownloadHold`) when it would end after the group forms
-and a fresh download started after the step fits before the group after. The averager's process stops that download,
-waits for the release, and downloads again, from the donors that hold the new epoch by then.
+and a fresh download started after the step fits before the group after. The averager's process stops that
+download, waits for the release, and downloads again, from the donors that hold the new epoch by then.
 """
 
 from __future__ import annotations

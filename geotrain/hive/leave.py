@@ -96,4 +96,3 @@ def stop_offering_state(optimizer) -> None:
     if averager is not None and averager.allow_state_sharing:
         averager.allow_state_sharing = False
         logger.info("this peer no longer offers its state to new downloaders")
-
