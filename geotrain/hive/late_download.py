@@ -32,6 +32,7 @@ MIN_RATE_WINDOW_S = 2.0  # a download's rate measured over less than this is not
 RATE_WINDOW_S = 4.0  # the rate is the last seconds' (a connection's first ones run slower: 1.95 of 2.56 MB/s)
 RATE_MARGIN = 0.15  # late only when it would end after the group forms even at a rate this much higher
 POLL_S = 0.25
+MIN_GROUP_SIZE = 2  # hivemind's averagers' default: the fewest peers an averaging group forms with
 EPOCH_POLL_S = 1.0  # how often a held download looks for the swarm's new epoch (one DHT read each)
 
 
@@ -50,10 +51,13 @@ class SwarmClock:
 
     @classmethod
     def from_progress(cls, progress, matchmaking_time_s: float, now: float) -> "SwarmClock":
-        """From hivemind's GlobalTrainingProgress: its ETA is the batch still missing at the swarm's rate."""
+        """From hivemind's GlobalTrainingProgress: its ETA is the batch still missing at the swarm's rate. No step
+        in view when the other trainers are too few to form a group without this peer."""
         eta = progress.eta_next_epoch
         remaining = progress.target_batch_size - progress.samples_accumulated
-        if not math.isfinite(eta) or eta <= now or remaining <= 0:
+        # (num_peers counts this peer's record too: with one other trainer no group forms without this peer)
+        others_can_step = progress.num_peers - 1 >= MIN_GROUP_SIZE
+        if not math.isfinite(eta) or eta <= now or remaining <= 0 or not others_can_step:
             return cls(progress.epoch, math.inf, math.inf)
         return cls(progress.epoch, eta - matchmaking_time_s, progress.target_batch_size * (eta - now) / remaining)
 

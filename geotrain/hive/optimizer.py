@@ -307,29 +307,24 @@ class MeasuredOptimizer(hivemind.Optimizer):
                                  swarm_epoch=lambda: swarm_epoch_and_trainers(self.dht, self.run_id)[0])
 
     def _wait_while_the_swarm_steps(self) -> None:
-        """Before a download: while the swarm's round is under way or about to be, wait until it has stepped.
+        """Before a download: while the swarm's gradient round is under way, wait until it has stepped.
 
-        The swarm's progress records holding its whole batch mean its gradient round has begun; its estimated
-        step being nearer than the matchmaking time means its peers are forming their group already (hivemind's
-        own moment to begin matchmaking). A state downloaded then is one step old when the swarm's step lands,
-        and this peer comes too late for the group. Seen in the churn soak: a rejoined trainer that loaded then
-        (in its own region, in 0.3 s) gave up the round it came too late for and loaded the state again, this
-        time over an ocean (12 s). Waiting for the swarm's new epoch costs the rest of its all-reduce, and this
-        peer downloads the state the others step from next. Bounded by the matchmaking and averaging timeouts,
-        and over as soon as the records that hold the swarm's samples expire (a swarm that left) or its step
-        recedes (peers left).
+        The swarm's progress records holding its whole batch mean its round has begun. A state downloaded then
+        is one step old when the swarm's step lands, and this peer comes too late for the group. Waiting for
+        the swarm's new epoch costs the rest of its all-reduce, and this peer downloads the state the others
+        step from next. Bounded by the matchmaking and averaging timeouts, and over as soon as the records that
+        hold the swarm's samples expire (a swarm that left). A download that begins before the round and would
+        end after its group forms is held by geotrain.hive.late_download, which judges it by its rate: a near
+        donor's state arrives in time, and with a single other trainer no group forms without this peer, so
+        waiting for it to step would stall both (seen in CI: 30 s, until the other gave up its round). An
+        earlier rule also waited whenever the step was nearer than the matchmaking time, and did just that.
         """
         tracker = self.tracker
         progress = tracker.global_progress
         if not self._swarm_is_stepping(progress):
             return
         epoch, started = progress.epoch, time.monotonic()
-        if progress.samples_accumulated >= tracker.target_batch_size:
-            logger.info("the swarm is averaging the gradients of epoch %d: loading its state once it has stepped",
-                        epoch)
-        else:
-            logger.info("the swarm is forming its group for the step of epoch %d (due in %.1f s): loading its "
-                        "state once it has stepped", epoch, max(0.0, progress.eta_next_epoch - get_dht_time()))
+        logger.info("the swarm is averaging the gradients of epoch %d: loading its state once it has stepped", epoch)
         deadline = started + self.matchmaking_time + self.averaging_timeout
         while time.monotonic() < deadline:
             progress = tracker.global_progress
@@ -340,11 +335,8 @@ class MeasuredOptimizer(hivemind.Optimizer):
                     tracker.global_progress.epoch)
 
     def _swarm_is_stepping(self, progress) -> bool:
-        """Whether the swarm's gradient round has begun (its records hold the whole batch) or its peers are
-        forming the group for it (its step is due within the matchmaking time)."""
-        if progress.samples_accumulated >= self.tracker.target_batch_size:
-            return True
-        return progress.samples_accumulated > 0 and progress.eta_next_epoch - get_dht_time() <= self.matchmaking_time
+        """Whether the swarm's gradient round has begun: its records hold the whole batch."""
+        return progress.samples_accumulated >= self.tracker.target_batch_size
 
     def _update_global_epoch(self, grad_scaler) -> None:
         try:

@@ -27,6 +27,9 @@ def test_the_clock_reads_the_round_from_the_swarms_eta():
     # no step in view (no peer collects samples): nothing to be late for
     idle = GlobalTrainingProgress(7, 0, 4096, 0, 0, math.inf, now + 1)
     assert SwarmClock.from_progress(idle, 2.0, now).group_forms_at == math.inf
+    # this peer and one other: no group forms without this peer, so there is no step to come too late for
+    pair = GlobalTrainingProgress(7, 2048, 4096, 2, 0, now + 10, now + 1)
+    assert SwarmClock.from_progress(pair, 2.0, now).group_forms_at == math.inf
 
 
 def test_only_a_download_that_ends_after_the_group_forms_and_fits_in_a_round_is_held():

@@ -179,15 +179,12 @@ def test_a_load_while_the_swarm_averages_waits_for_its_step_and_takes_the_new_st
     load_waits_for_the_swarms_step(donor, model, optimizer, "while the swarm's round was under way")
 
 
-def load_waits_for_the_swarms_step(donor, model, optimizer, situation: str, logged: str | None = None,
-                                   caplog=None) -> None:
+def load_waits_for_the_swarms_step(donor, model, optimizer, situation: str) -> None:
     """A load started now is still waiting 2 s later; once the donor steps, it takes the donor's new state."""
     loading = threading.Thread(target=optimizer.load_state_from_peers)
     loading.start()
     time.sleep(2.0)
     assert loading.is_alive(), f"the state was downloaded {situation}"
-    if logged is not None:
-        assert logged in caplog.text
 
     with torch.no_grad():  # the swarm's step, in the parameters the donor serves
         for group in donor.state_averager.optimizer.param_groups:
@@ -202,9 +199,9 @@ def load_waits_for_the_swarms_step(donor, model, optimizer, situation: str, logg
         assert torch.equal(parameter, torch.full_like(parameter, 2.0)), "not the state after the swarm's step"
 
 
-def test_a_load_while_the_swarm_forms_its_group_waits_for_its_step(trainers, caplog):
-    # the swarm's step is nearer than the matchmaking time: its peers are forming their group, and a state
-    # downloaded now is one step old by the time this peer could join a round
+def test_a_load_while_the_swarm_forms_its_group_does_not_wait_for_its_step(trainers, caplog):
+    # whether such a download comes too late is judged by its rate (geotrain.hive.late_download); waiting here
+    # stalled a swarm of two in CI: no group forms without this peer, so the other's step never came
     (_, donor), (model, optimizer) = trainers
     donor.tracker.report_local_progress(0, 8)
     time.sleep(0.5)
@@ -213,9 +210,7 @@ def test_a_load_while_the_swarm_forms_its_group_waits_for_its_step(trainers, cap
     progress = optimizer.tracker.global_progress
     assert 0 < progress.samples_accumulated < 64
     assert progress.eta_next_epoch - get_dht_time() <= optimizer.matchmaking_time, "the step is not near: checks nothing"
-    caplog.set_level(logging.INFO, logger="geotrain.hive.optimizer")
-    load_waits_for_the_swarms_step(donor, model, optimizer, "while the swarm was forming its group",
-                                   "forming its group for the step of epoch 0", caplog)
+    loads_at_once(optimizer, caplog)
 
 
 def test_a_load_while_the_swarm_is_far_from_its_step_downloads_at_once(trainers, caplog):
@@ -225,7 +220,11 @@ def test_a_load_while_the_swarm_is_far_from_its_step_downloads_at_once(trainers,
     donor.tracker.report_local_progress(0, 6)  # 58 samples short at about 1 sample/s: nearly a minute away
     wait_until(lambda: optimizer.tracker.global_progress.samples_accumulated >= 6, "the samples in this view")
     assert optimizer.tracker.global_progress.eta_next_epoch - get_dht_time() > optimizer.matchmaking_time
+    loads_at_once(optimizer, caplog)
+
+
+def loads_at_once(optimizer, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
         optimizer.load_state_from_peers()
-    assert "once it has stepped" not in caplog.text, "the load waited for a step that is far off"
+    assert "once it has stepped" not in caplog.text, "the load waited for the swarm's step"
     assert optimizer.local_epoch == 0
