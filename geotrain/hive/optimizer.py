@@ -16,7 +16,6 @@ import torch
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
-from timm.optim import Lamb
 
 from geotrain.config import GeotrainConfig
 from geotrain.hive.diloco import OuterStateAverager, diloco_optimizer_class
@@ -36,7 +35,17 @@ from geotrain.schedule import schedule_of
 logger = logging.getLogger(__name__)
 
 
-OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "lamb": Lamb}
+def optimizer_class_of(name: str) -> type:
+    """The torch optimizer class the config's ``optimizer.optimizer`` names.
+
+    timm's LAMB is imported only when asked: importing timm loads torchvision and torch's compiler, about
+    2 s of every peer's start on these machines, which an NLP, ASR or emulated peer would spend for nothing.
+    """
+    if name == "lamb":
+        from timm.optim import Lamb
+
+        return Lamb
+    return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
 
 
 def with_gradient_clipping(optimizer_class: type, max_norm: float) -> type:
@@ -76,7 +85,7 @@ def with_step_guard(optimizer_class: type, guard: StepGuard) -> type:
 
 def build_torch_optimizer_factory(config: GeotrainConfig, step_guard: StepGuard | None = None):
     opt = config.optimizer
-    optimizer_class = OPTIMIZER_CLASSES[opt.optimizer]
+    optimizer_class = optimizer_class_of(opt.optimizer)
     if opt.grad_clip_norm is not None:
         optimizer_class = with_gradient_clipping(optimizer_class, opt.grad_clip_norm)
     if step_guard is not None:  # outermost: it sees the averaged gradients before clipping hides their norm

@@ -157,3 +157,14 @@ def test_a_cv_run_never_loads_transformers_or_torchaudio():
         "model = task.build_model(); task.loss(model, next(task.build_data(2, 0))).backward()")
     assert "timm" in loaded
     assert not loaded & {"transformers", "torchaudio"}
+
+
+def test_a_peer_of_another_task_loads_timm_only_for_its_lamb_optimizer():
+    # timm brings torchvision and torch's compiler: about 2 s of every (re)joining peer's start
+    loaded = _modules_loaded_after("import geotrain.trainer, geotrain.coordinator")
+    assert "torch" in loaded and "hivemind" in loaded
+    assert not loaded & {"timm", "torchvision", "transformers", "torchaudio"}
+    loaded = _modules_loaded_after("from geotrain.hive.optimizer import optimizer_class_of\n"
+                                   "assert optimizer_class_of('lamb').__module__.startswith('timm.')\n"
+                                   "assert optimizer_class_of('adamw').__name__ == 'AdamW'")
+    assert "timm" in loaded
