@@ -65,17 +65,26 @@ class Donor:
         return int(math.floor(self.priority))
 
 
-def rank_donors(donors: list[Donor], own_region: str | None, epoch_tolerance: int = 1) -> list[Donor]:
-    """Donors in the order to ask them: newest state, same region, shortest round trip, highest priority."""
+def rank_donors(donors: list[Donor], own_region: str | None, epoch_tolerance: int = 1,
+                min_epoch: int | None = None) -> list[Donor]:
+    """Donors in the order to ask them: newest state, same region, shortest round trip, highest priority.
+
+    ``min_epoch``: the first epoch new to this peer (its own plus one), or the epoch the swarm is known to have
+    stepped to (after a held download); when a donor holds it, donors below it are behind whatever the
+    tolerance (the coordinator's checkpoint one epoch old would give a peer that missed a round what it has).
+    """
     if not donors:
         return []
     newest = max(donor.epoch for donor in donors)
+    current_from = newest - epoch_tolerance
+    if min_epoch is not None and newest >= min_epoch:
+        current_from = max(current_from, min_epoch)
 
     def key(donor: Donor):
         far = own_region is None or donor.region != own_region
         # round trips within RTT_RESOLUTION_S of each other tie (one data centre): the priority decides
         rtt = math.ceil(donor.rtt_s / RTT_RESOLUTION_S) if donor.rtt_s is not None else math.inf
-        if donor.epoch >= newest - epoch_tolerance:
+        if donor.epoch >= current_from:
             return (0, far, rtt, -donor.priority, donor.peer_id)
         return (1, -donor.priority, far, rtt, donor.peer_id)  # behind: the newest of them first
 
@@ -172,12 +181,23 @@ class DownloadProgress:
 
 class DownloadHold:
     """The peer's main process asks its averager's process to stop the download in progress and to start it
-    again once released (shared memory, made before the averagers fork)."""
+    again once released, and says which epochs are new to it (shared memory, made before the averagers fork)."""
 
     def __init__(self):
         self._requested = multiprocessing.Event()
         self._released = multiprocessing.Event()
         self._limit_s = multiprocessing.Value("d", 0.0, lock=True)
+        self._swarm_epoch = multiprocessing.Value("q", -1, lock=True)  # the epoch seen at the release; -1: none
+        self._own_epoch = multiprocessing.Value("q", -1, lock=True)  # the epoch of the state the peer holds
+
+    def note_own_epoch(self, epoch: int) -> None:
+        """(the main process, before a load) The peer holds the state of ``epoch``: donors at it have nothing new."""
+        self._own_epoch.value = epoch
+
+    def first_new_epoch(self) -> int | None:
+        """The first epoch whose state is new to the peer; None when it did not say."""
+        value = self._own_epoch.value
+        return None if value < 0 else value + 1
 
     def request(self, limit_s: float) -> None:
         """Stop the download in progress; the next one starts when released, or after ``limit_s`` at most."""
@@ -188,7 +208,9 @@ class DownloadHold:
     def requested(self) -> bool:
         return self._requested.is_set()
 
-    def release(self) -> None:
+    def release(self, swarm_epoch: int | None = None) -> None:
+        """Let the download start again; ``swarm_epoch``: the epoch the swarm has stepped to, when seen."""
+        self._swarm_epoch.value = -1 if swarm_epoch is None else swarm_epoch
         self._requested.clear()
         self._released.set()
 
@@ -198,9 +220,15 @@ class DownloadHold:
         self._requested.clear()
         return released
 
+    def swarm_epoch(self) -> int | None:
+        """The epoch the swarm had stepped to when the hold was released; None when that was not seen."""
+        value = self._swarm_epoch.value
+        return None if value < 0 else value
+
     def reset(self) -> None:
         self._requested.clear()
         self._released.clear()
+        self._swarm_epoch.value = -1
 
 
 @dataclass

@@ -59,6 +59,10 @@ COUNTED = (
 # summed over the swarm, every byte of every averaging round that crossed between peers, counted once (by its
 # reducer); what the compression changes, without the DHT's and the state downloads' traffic
 AVERAGING_DIRECTIONS = ("received", "sent")
+# after a held download, how long to look for a donor that announces the swarm's new epoch: the others declare
+# it as they step, a DHT store apart from the progress record that released the hold
+NEW_EPOCH_DONOR_WAIT_S = 3.0
+NEW_EPOCH_DONOR_POLL_S = 0.5
 
 
 class ContributionRefused(Exception):
@@ -390,20 +394,30 @@ class GuardedAveragerMixin:
         """The nearest donor's state; a download held by the peer's main process (it would land after the
         swarm's next step: geotrain.hive.late_download) starts again, from the donors then, once released."""
         hold = self.guard_report.download_hold if self.guard_report is not None else None
-        attempt = await self._download_once(hold)
+        first_new_epoch = hold.first_new_epoch() if hold is not None else None
+        attempt = await self._download_once(hold, first_new_epoch)
         if attempt is None or attempt.result != HELD:
             return attempt
         released = await asyncio.get_running_loop().run_in_executor(None, hold.wait_for_release)
-        logger.info("downloading the state again%s", "" if released else " (the swarm did not step in time)")
-        return await self._download_once(None)
+        swarm_epoch = hold.swarm_epoch() if released else None
+        if swarm_epoch is None:
+            logger.info("downloading the state again (the swarm did not step in time)")
+            return await self._download_once(None, first_new_epoch)
+        logger.info("downloading the state again, from a donor at the swarm's epoch %d", swarm_epoch)
+        return await self._download_once(None, max(swarm_epoch, first_new_epoch or 0), swarm_epoch=swarm_epoch)
 
-    async def _download_once(self, hold):
+    async def _download_once(self, hold, min_epoch: int | None, swarm_epoch: int | None = None):
+        """One download from the donors in their order. Donors below ``min_epoch`` are behind when another holds
+        it, whatever the tolerance (the coordinator's checkpoint one epoch old, a trainer yet to declare its step).
+        ``swarm_epoch`` (known after a hold): wait a moment for a donor that announces it."""
         report = self.guard_report
         allowed = report.allowed_donors() if report is not None else None
         banned = report.bans.active() if report is not None else set()
         loop = asyncio.get_running_loop()
         donors_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
         announced = await loop.run_in_executor(None, _announced_donors, self.dht, donors_key)
+        if swarm_epoch is not None:
+            announced = await self._donors_once_one_announces(donors_key, announced, swarm_epoch)
         candidates = announced if allowed is None else {name: announced.get(name, 0.0) for name in allowed}
         own = self.peer_id.to_base58()
         candidates = {name: priority for name, priority in candidates.items() if name not in banned and name != own}
@@ -414,12 +428,27 @@ class GuardedAveragerMixin:
         if self.donor_run_id is not None:
             records = await loop.run_in_executor(None, read_records, self.dht, self.donor_run_id)
             labels = donor_labels(records)
-        donors = rank_donors(await measure_donors(candidates, labels), self.donor_region, self.donor_epoch_tolerance)
+        donors = rank_donors(await measure_donors(candidates, labels), self.donor_region, self.donor_epoch_tolerance,
+                             min_epoch=min_epoch)
         return await download_state(self, donors, stall_s=self.donor_stall_s,
                                     min_rate_bytes_s=self.donor_min_rate_bytes_s, probation_s=self.donor_probation_s,
                                     progress=None if report is None else report.downloads,
                                     on_attempt=self._report_download_attempt, refusal=self._refuse_non_finite_state,
                                     hold=hold)
+
+    async def _donors_once_one_announces(self, donors_key: str, announced: dict[str, float],
+                                         epoch: int) -> dict[str, float]:
+        """The donor record read again until another peer announces ``epoch`` (or NEW_EPOCH_DONOR_WAIT_S)."""
+        own = self.peer_id.to_base58()
+        deadline = time.monotonic() + NEW_EPOCH_DONOR_WAIT_S
+        loop = asyncio.get_running_loop()
+        while not any(math.floor(priority) >= epoch for name, priority in announced.items() if name != own):
+            if time.monotonic() >= deadline:
+                logger.info("no peer announces the state of epoch %d yet; asking the newest donors", epoch)
+                break
+            await asyncio.sleep(NEW_EPOCH_DONOR_POLL_S)
+            announced = await loop.run_in_executor(None, _announced_donors, self.dht, donors_key)
+        return announced
 
     def _refuse_non_finite_state(self, attempt) -> str | None:
         """A state with non-finite values is refused, and its donor left out for ``ban_s`` (the download goes on

@@ -127,12 +127,15 @@ class LateDownloadWatch:
         started = time.monotonic()
         self.hold.request(limit_s)
         deadline = started + limit_s
+        stepped_to = None
         while not self._done.is_set() and time.monotonic() < deadline:
             try:
-                if self.swarm_epoch() > self.clock.epoch:
+                epoch = self.swarm_epoch()
+                if epoch > self.clock.epoch:
+                    stepped_to = epoch
                     break
             except Exception as error:  # a DHT read that failed: try again until the limit
                 logger.debug("could not read the swarm's epoch: %r", error)
             self._done.wait(EPOCH_POLL_S)
         self.held_s = time.monotonic() - started
-        self.hold.release()
+        self.hold.release(stepped_to)

@@ -295,6 +295,9 @@ class MeasuredOptimizer(hivemind.Optimizer):
                 self._tag_along_with_zero_weight(self.scheduled_grads)  # (hivemind's first move, made before the wait)
                 self.scheduled_grads = None
             self._wait_while_the_swarm_steps()
+        report = getattr(self.state_averager, "guard_report", None)
+        if report is not None:  # a donor at this peer's own epoch has nothing new for it
+            report.download_hold.note_own_epoch(self.local_epoch)
         with self._late_download_watch():
             result = super().load_state_from_peers(**kwargs)
         # hivemind moves a peer that loaded a state one epoch old up to the swarm's epoch ("catching up") without

@@ -57,6 +57,19 @@ def test_a_stale_donor_comes_after_every_current_one_however_near():
     assert _ids(rank_donors(donors, "aus", epoch_tolerance=0))[0] == "far-current"
 
 
+def test_a_donor_without_a_new_epoch_for_this_peer_is_behind_when_another_has_one():
+    # a trainer at epoch 7 that missed the swarm's step to 8 (or was held until it), with donors: the coordinator's
+    # checkpoint (7 + 0.5) and a trainer yet to declare its step hold what it has, however near
+    donors = [Donor("near-coordinator", 7.5, "aus", 0.001), Donor("near-not-yet", 7, "aus", 0.001),
+              Donor("far-stepped", 8, "us", 0.300)]
+    assert _ids(rank_donors(donors, "aus", epoch_tolerance=1))[0] == "near-coordinator"
+    assert _ids(rank_donors(donors, "aus", epoch_tolerance=1, min_epoch=8)) == ["far-stepped", "near-coordinator",
+                                                                                "near-not-yet"]
+    # no donor has anything newer (a DiLoCo peer off its round's majority loads its own epoch): the order stays
+    same_epoch = donors[:2] + [Donor("far-same", 7, "us", 0.300)]
+    assert rank_donors(same_epoch, "aus", 1, min_epoch=8) == rank_donors(same_epoch, "aus", 1)
+
+
 def _record(peer_id: str, region: str, address: str) -> PeerRecord:
     record = MetricRecord(peer_id=peer_id, role="trainer", region=region, cloud="lab", instance_type="vm",
                           time=1.0, epoch=1, samples_total=0, samples_per_second=0.0, granularity=None,
@@ -252,6 +265,25 @@ def test_a_held_download_stops_and_brings_the_state_the_donor_holds_once_release
     _, tensors = loading.result(timeout=60)
     assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 7.0)), "the state is not the one the donor held then"
     assert report.downloads.snapshot()["attempts"]["ok"] == 1
+
+
+def test_after_a_hold_the_download_waits_for_a_donor_that_announces_the_swarms_new_epoch(swarm):
+    # the held donor announces the higher priority (a coordinator's checkpoint, 3 + 0.5); the other trainer steps
+    # to epoch 4 and declares it a moment after the progress record that released the hold
+    patient = type("PatientDownloader", (Downloader,), {"donor_min_rate_bytes_s": 1e4})
+    (checkpoint, trainer), downloader, report = swarm.downloader((SteadyDonor, 3.0, 3.5), (GoodDonor, 3.0, 3.0),
+                                                                  downloader_class=patient)
+    loading = downloader.load_state_from_peers(wait=False)
+    wait_until(lambda: report.downloads.snapshot()["received_bytes"] > 0, "the first bytes")
+    report.download_hold.request(limit_s=60)
+    wait_until(lambda: report.downloads.snapshot()["attempts"]["held"] == 1, "the held attempt")
+    report.download_hold.release(swarm_epoch=4)
+    time.sleep(1.0)
+    with trainer.get_tensors() as tensors:
+        tensors[0].fill_(7.0)
+    trainer.state_sharing_priority = 4.0
+    _, tensors = loading.result(timeout=60)
+    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 7.0)), "the state is not the new epoch's"
 
 
 def test_a_leaving_peer_offers_its_state_to_no_new_downloader(swarm):

@@ -76,11 +76,12 @@ class Averager:
     """The averager's side of the hold, as geotrain.hive.guard runs it: wait for the release, in a thread."""
 
     def __init__(self, hold: DownloadHold):
-        self.hold, self.released = hold, None
+        self.hold, self.released, self.swarm_epoch = hold, None, None
         self.thread = threading.Thread(target=self._wait, daemon=True)
 
     def _wait(self):
         self.released = self.hold.wait_for_release()
+        self.swarm_epoch = self.hold.swarm_epoch()  # the epoch its next download asks donors for
 
 
 def watch(clock: SwarmClock, epoch: list[int], hold_limit_s: float = 30.0):
@@ -102,6 +103,7 @@ def test_a_late_download_is_held_until_the_swarm_has_stepped():
         epoch[0] = 4  # a trainer's progress record holds the new epoch: the swarm has stepped
         averager.thread.join(5.0)
         assert averager.released is True and not hold.requested()
+        assert averager.swarm_epoch == 4, "the averager was not told the epoch the swarm stepped to"
     assert late.held_s is not None and late.held_s >= 1.5
 
 
@@ -122,3 +124,4 @@ def test_a_download_that_ends_in_time_is_not_held_and_a_hold_ends_at_its_limit()
         wait_until(lambda: late.held_s is not None, "the end of the hold")
     averager.thread.join(5.0)
     assert averager.released is True and 1.5 <= late.held_s < 5.0
+    assert averager.swarm_epoch is None  # no step seen: the donors are ranked as before the hold
