@@ -403,13 +403,13 @@ class GuardedAveragerMixin:
         if swarm_epoch is None:
             logger.info("downloading the state again (the swarm did not step in time)")
             return await self._download_once(None, first_new_epoch)
-        logger.info("downloading the state again, from a donor at the swarm's epoch %d", swarm_epoch)
-        return await self._download_once(None, max(swarm_epoch, first_new_epoch or 0), swarm_epoch=swarm_epoch)
+        logger.info("downloading the state again, the swarm is at epoch %d", swarm_epoch)
+        return await self._download_once(None, first_new_epoch, swarm_epoch=swarm_epoch)
 
     async def _download_once(self, hold, min_epoch: int | None, swarm_epoch: int | None = None):
-        """One download from the donors in their order. Donors below ``min_epoch`` are behind when another holds
-        it, whatever the tolerance (the coordinator's checkpoint one epoch old, a trainer yet to declare its step).
-        ``swarm_epoch`` (known after a hold): wait a moment for a donor that announces it."""
+        """One download from the donors in their order (:func:`rank_donors`; ``min_epoch``: the first epoch new
+        to this peer). ``swarm_epoch`` (known after a hold): wait a moment for a donor that announces it (the
+        others declare their step a DHT store after the progress record that ended the hold)."""
         report = self.guard_report
         allowed = report.allowed_donors() if report is not None else None
         banned = report.bans.active() if report is not None else set()
@@ -444,7 +444,7 @@ class GuardedAveragerMixin:
         loop = asyncio.get_running_loop()
         while not any(math.floor(priority) >= epoch for name, priority in announced.items() if name != own):
             if time.monotonic() >= deadline:
-                logger.info("no peer announces the state of epoch %d yet; asking the newest donors", epoch)
+                logger.info("no peer announces the state of epoch %d yet; asking the donors there are", epoch)
                 break
             await asyncio.sleep(NEW_EPOCH_DONOR_POLL_S)
             announced = await loop.run_in_executor(None, _announced_donors, self.dht, donors_key)
