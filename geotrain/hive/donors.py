@@ -7,12 +7,11 @@ in :mod:`geotrain.hive.guard`) download with :func:`download_state` instead:
 
 1. **Order** (:func:`rank_donors`): donors that hold the newest epoch (within ``epoch_tolerance``: hivemind
    itself moves a peer that loaded a state one epoch old up to the swarm's epoch; never one at this peer's own
-   epoch when another holds a newer one), then those in this peer's region (the ``region`` label of their
-   signed metric record), then the region with the shortest measured round trip (one TCP handshake with the
-   address in that record, all donors probed at once; round trips within 5 ms tie), within a region the
-   newest epoch, then the round trip, then the announced priority (the coordinator's is half an epoch above
-   the trainers', so it wins a tie, and only a tie: a durable VM that does not train has the spare CPU to
-   serve). Region and
+   epoch when another holds a newer one, nor, after a held download, one below the swarm's new epoch), then
+   those in this peer's region (the ``region`` label of their signed metric record), then by measured round
+   trip (one TCP handshake with the address in that record, all donors probed at once; round trips within
+   5 ms tie), then by announced priority (the coordinator's is half an epoch above the trainers', so it wins a
+   tie, and only a tie: a durable VM that does not train has the spare CPU to serve). Region and
    address are what each peer says of itself: a peer that lies about them can reorder donors (bounded by
    the rules below), never change what is downloaded (that is checked: non-finite, epoch, DiLoCo bounds).
    A peer id claimed by records that disagree is ranked as unknown.
@@ -69,12 +68,11 @@ class Donor:
 
 def rank_donors(donors: list[Donor], own_region: str | None, epoch_tolerance: int = 1,
                 min_epoch: int | None = None) -> list[Donor]:
-    """Donors in the order to ask them: a current state, the nearest region (this peer's own, then the one with
-    the shortest round trip), the newest epoch within that region, shortest round trip, highest priority.
+    """Donors in the order to ask them: newest state, same region, shortest round trip, highest priority.
 
-    ``min_epoch``: the first epoch new to this peer (its own plus one); when a donor holds it, donors below it
-    are behind whatever the tolerance (the coordinator's checkpoint one epoch old would give a peer that missed
-    a round what it has).
+    ``min_epoch``: the first epoch of use to this peer: its own plus one (a donor at its own epoch has nothing
+    new for it), or the epoch the swarm has stepped to after a held download. When a donor holds it, donors
+    below it are behind whatever the tolerance.
     """
     if not donors:
         return []
@@ -83,20 +81,12 @@ def rank_donors(donors: list[Donor], own_region: str | None, epoch_tolerance: in
     if min_epoch is not None and newest >= min_epoch:
         current_from = max(current_from, min_epoch)
 
-    def rtt_class(donor: Donor) -> float:
-        # round trips within RTT_RESOLUTION_S of each other tie (one data centre): the priority decides
-        return math.ceil(donor.rtt_s / RTT_RESOLUTION_S) if donor.rtt_s is not None else math.inf
-
-    region_rtt: dict[str, float] = {}  # a region's nearest donor: its donors share the link to this peer
-    for donor in donors:
-        if donor.region is not None:
-            region_rtt[donor.region] = min(region_rtt.get(donor.region, math.inf), rtt_class(donor))
-
     def key(donor: Donor):
         far = own_region is None or donor.region != own_region
-        rtt = rtt_class(donor)
+        # round trips within RTT_RESOLUTION_S of each other tie (one data centre): the priority decides
+        rtt = math.ceil(donor.rtt_s / RTT_RESOLUTION_S) if donor.rtt_s is not None else math.inf
         if donor.epoch >= current_from:
-            return (0, far, region_rtt.get(donor.region, rtt), -donor.epoch, rtt, -donor.priority, donor.peer_id)
+            return (0, far, rtt, -donor.priority, donor.peer_id)
         return (1, -donor.priority, far, rtt, donor.peer_id)  # behind: the newest of them first
 
     return sorted(donors, key=key)

@@ -403,13 +403,15 @@ class GuardedAveragerMixin:
         if swarm_epoch is None:
             logger.info("downloading the state again (the swarm did not step in time)")
             return await self._download_once(None, first_new_epoch)
-        logger.info("downloading the state again, the swarm is at epoch %d", swarm_epoch)
-        return await self._download_once(None, first_new_epoch, swarm_epoch=swarm_epoch)
+        # hivemind's tracker does not update during a load, so a state of the epoch before the step would not be
+        # moved up to the swarm's epoch: this peer would miss the next round and download again
+        logger.info("downloading the state again, from a donor at the swarm's epoch %d", swarm_epoch)
+        return await self._download_once(None, max(swarm_epoch, first_new_epoch or 0), swarm_epoch=swarm_epoch)
 
     async def _download_once(self, hold, min_epoch: int | None, swarm_epoch: int | None = None):
-        """One download from the donors in their order (:func:`rank_donors`; ``min_epoch``: the first epoch new
-        to this peer). ``swarm_epoch`` (known after a hold): wait a moment for a donor that announces it (the
-        others declare their step a DHT store after the progress record that ended the hold)."""
+        """One download from the donors in their order (:func:`rank_donors`; below ``min_epoch``: behind).
+        ``swarm_epoch`` (known after a hold): wait a moment for a donor that announces it (the others declare
+        their step a DHT store after the progress record that ended the hold)."""
         report = self.guard_report
         allowed = report.allowed_donors() if report is not None else None
         banned = report.bans.active() if report is not None else set()

@@ -57,20 +57,17 @@ def test_a_stale_donor_comes_after_every_current_one_however_near():
     assert _ids(rank_donors(donors, "aus", epoch_tolerance=0))[0] == "far-current"
 
 
-def test_within_the_nearest_region_the_newest_epoch_first_and_nothing_old_to_this_peer():
-    # a trainer in Europe, donors in the US (the coordinator's checkpoint one epoch old is 3 ms nearer than the US
-    # trainer that has stepped) and in Asia (stepped, farther)
-    donors = [Donor("us-coordinator", 7.5, "us", 0.014), Donor("us-stepped", 8, "us", 0.017),
-              Donor("asia-stepped", 8, "asia", 0.033)]
-    assert _ids(rank_donors(donors, "eu")) == ["us-stepped", "us-coordinator", "asia-stepped"]
-    # the US trainer left: a state one epoch old from the nearer region (hivemind moves the peer up to the swarm's
-    # epoch) rather than the newest from the farther one
-    assert _ids(rank_donors(donors[::2], "eu")) == ["us-coordinator", "asia-stepped"]
-    # ... unless this peer holds epoch 7 already (it missed the step to 8): that donor has nothing new for it
-    assert _ids(rank_donors(donors[::2], "eu", min_epoch=8)) == ["asia-stepped", "us-coordinator"]
+def test_a_donor_with_nothing_new_for_this_peer_is_behind_when_another_has_something():
+    # a trainer at epoch 7 that missed the swarm's step to 8 (or, rejoining, was held until it): the coordinator's
+    # checkpoint (7 + 0.5) and a trainer yet to declare its step hold the epoch before, however near
+    donors = [Donor("near-coordinator", 7.5, "aus", 0.001), Donor("near-not-yet", 7, "aus", 0.001),
+              Donor("far-stepped", 8, "us", 0.300)]
+    assert _ids(rank_donors(donors, "aus", epoch_tolerance=1))[0] == "near-coordinator"
+    assert _ids(rank_donors(donors, "aus", epoch_tolerance=1, min_epoch=8)) == ["far-stepped", "near-coordinator",
+                                                                                "near-not-yet"]
     # no donor has anything newer (a DiLoCo peer off its round's majority loads its own epoch): the order stays
-    same_epoch = [Donor("us-coordinator", 7.5, "us", 0.014), Donor("asia", 7, "asia", 0.033)]
-    assert rank_donors(same_epoch, "eu", min_epoch=8) == rank_donors(same_epoch, "eu")
+    same_epoch = donors[:2] + [Donor("far-same", 7, "us", 0.300)]
+    assert rank_donors(same_epoch, "aus", 1, min_epoch=8) == rank_donors(same_epoch, "aus", 1)
 
 
 def _record(peer_id: str, region: str, address: str) -> PeerRecord:
