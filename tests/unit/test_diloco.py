@@ -269,3 +269,27 @@ def test_a_long_rounds_honest_average_beyond_ten_times_the_parameters_norm_is_ta
         assert averager.average_norm_bound() > MAX_PSEUDO_GRADIENT_TO_PARAMETERS * parameters_norm
     finally:
         optimizer.shutdown()
+
+
+def test_a_resync_from_a_donor_not_yet_past_the_round_refuses_its_state_and_bans_no_one(dht):
+    # the round's majority donor applies its outer step in the background: asked a moment too early it still
+    # holds the round before. Seen in CI: a trainer banned that honest donor, and the run ended on two states.
+    donor_node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                              initial_peers=[str(a) for a in dht.get_visible_maddrs()])
+    report = GuardReport(None)
+    _, donor = build(donor_node, "diloco-resync")
+    model, optimizer = build(dht, "diloco-resync", report=report)
+    try:
+        donor_id = str(donor_node.peer_id)
+        averager = optimizer.state_averager
+        averager.local_epoch = 1  # this peer has taken round 1; the donor is still at 0
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer._resync_from = donor_id
+        optimizer.load_state_from_peers()
+        assert averager.refused_state is not None and averager.refused_state.startswith("its epoch 0 is behind")
+        assert donor_id not in {str(peer) for peer in report.bans.active()}, "an honest, late donor was banned"
+        assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    finally:
+        optimizer.shutdown()
+        donor.shutdown()
+        donor_node.shutdown()
