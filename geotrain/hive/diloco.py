@@ -96,6 +96,7 @@ class RoundTracker(ProgressTracker):
 
 BEHIND_PROBLEM = "its epoch"  # how a refusal of a state from an older epoch begins (see _state_problem)
 
+
 class OuterStateAverager(TrainingStateAverager):
     """hivemind's state averager for DiLoCo: it all-reduces pseudo-gradients and applies the outer optimizer.
 
