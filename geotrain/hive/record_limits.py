@@ -11,8 +11,12 @@ DHT node next to the other validators and refuses, under this run's keys
 - a value larger than ``max_value_bytes`` (4 KiB). Measured on a loopback swarm: metric records
   383-385 bytes, progress records 134, the others under 10. The largest metric record an honest peer
   can make (16 IPv6 addresses, 40 destination regions with long names) is about 2.3 KB;
-- more than ``max_versions_per_s`` new versions per second of one (key, subkey), with bursts of
-  ``version_burst``: a token bucket of 100/s and 300. Measured per DHT node (tiny CV preset, 2 cores):
+- more than ``max_versions_per_s`` versions per second of one (key, subkey), with bursts of
+  ``version_burst``: a token bucket of 100/s and 300. Every version this node is asked to store takes a
+  token, an old or a repeated one too: hivemind keeps the records that readers cache on a node apart from
+  its storage, so a version older than the newest one that this node has seen can still be stored. When
+  such versions passed free, a reader's cached copy of a flood's 300th rewrite let all 500 rewrites
+  into the node's storage. Measured per DHT node (tiny CV preset, 2 cores):
   metric records one per ``metrics.publish_interval_s`` (5 s by default), progress records (hivemind
   writes one per optimizer step) 5.4/s on average and at most 15 in any second, state donor records at
   most 23 in any second, trainer announcements once. A peer would need more than 100 optimizer steps
@@ -160,12 +164,13 @@ class RecordLimits(RecordValidatorBase):
                                           time.monotonic())
             key.total_bytes += size_bytes
             return True
-        if record.expiration_time <= subkey.expiration_time:
-            return True  # a version it has (replicated or cached) or an older one, which storage ignores
-        if key.total_bytes - subkey.size_bytes + size_bytes > limits.max_key_bytes:
+        newer = record.expiration_time > subkey.expiration_time
+        if newer and key.total_bytes - subkey.size_bytes + size_bytes > limits.max_key_bytes:
             return self._refuse(key, "records that do not fit in the key")
         if not self._take_token(subkey):
             return self._refuse(key, f"versions over {limits.max_versions_per_s:g}/s of one subkey")
+        if not newer:
+            return True  # a version it has seen or an older one: the subkey's newest bytes stay what they were
         key.total_bytes += size_bytes - subkey.size_bytes
         subkey.size_bytes = size_bytes
         subkey.expiration_time = record.expiration_time

@@ -77,11 +77,22 @@ def test_one_subkey_rewritten_faster_than_the_rate_is_refused(clock):
     versions = [record(metrics_key(RUN_ID), b"peer", ttl_s=30.0 + 0.001 * n) for n in range(100)]
     accepted = [limits.validate(version) for version in versions]  # all at the same instant
     assert accepted == [True] * 20 + [False] * 80
-    assert limits.validate(versions[19]), "a version it already has (replicated, cached) is not a new write"
+    assert not limits.validate(versions[19]), "a repeated version takes a token like any other"
     clock.now += 1.0  # ten more tokens
     newer = [record(metrics_key(RUN_ID), b"peer", ttl_s=40.0 + 0.001 * n, now=clock.now) for n in range(11)]
     assert [limits.validate(version) for version in newer] == [True] * 10 + [False]
     assert limits.validate(record(metrics_key(RUN_ID), b"another-peer")), "the limit is per subkey"
+
+
+def test_versions_older_than_a_cached_one_take_tokens_too(clock):
+    """In CI a reader cached a flood's 300th rewrite on a node before the flood reached it; hivemind keeps that
+    cache apart from the node's storage, so the 500 rewrites that followed were all stored. None may pass free."""
+    limits = RecordLimits(RUN_ID, Limits(max_versions_per_s=10.0, version_burst=20))
+    versions = [record(metrics_key(RUN_ID), b"flood", ttl_s=30.0 + 0.001 * n) for n in range(100)]
+    assert limits.validate(versions[50]), "a reader's cached copy, the first this node hears of the subkey"
+    clock.now += 10.0  # the bucket is full again
+    accepted = [limits.validate(version) for version in versions]
+    assert sum(accepted) == 20, "no more versions than the bucket holds, older ones included"
 
 
 def test_honest_peers_at_many_times_their_measured_rates_are_never_refused(clock):
