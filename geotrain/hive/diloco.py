@@ -52,6 +52,7 @@ import math
 import multiprocessing
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from hivemind.compression import CompressionInfo, TensorRole
@@ -94,7 +95,19 @@ class RoundTracker(ProgressTracker):
         return super()._parse_swarm_progress_data(metadata)
 
 
-BEHIND_PROBLEM = "its epoch"  # how a refusal of a state from an older epoch begins (see _state_problem)
+NON_FINITE = "non-finite values"
+
+
+@dataclass(frozen=True)
+class StateProblem:
+    """Why a downloaded DiLoCo state is refused. ``behind``: it is of an older epoch, which an honest donor's
+    state can be (late: its round's outer step not applied yet), unlike the other problems."""
+
+    reason: str
+    behind: bool = False
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 class OuterStateAverager(TrainingStateAverager):
@@ -303,9 +316,8 @@ class OuterStateAverager(TrainingStateAverager):
         problem = self._state_problem(metadata, tensors)
         if problem is not None:
             logger.warning("refused the downloaded DiLoCo state: %s; this peer keeps its own", problem)
-            self.refused_state = problem
-            self.refused_state_behind = problem.startswith(BEHIND_PROBLEM)
-            if problem == "non-finite values" and self.guard_report is not None:
+            self.refused_state, self.refused_state_behind = problem.reason, problem.behind
+            if problem.reason == NON_FINITE and self.guard_report is not None:
                 self.guard_report.count("parameters", "non-finite in loaded state")
                 self.guard_report.event("state_refused", peer_id=self.peer_id.to_base58(), reason="non-finite")
             return None
@@ -332,27 +344,28 @@ class OuterStateAverager(TrainingStateAverager):
         self._update_scheduler()
         return True
 
-    def _state_problem(self, metadata, tensors) -> str | None:
+    def _state_problem(self, metadata, tensors) -> StateProblem | None:
         if not isinstance(metadata, dict) or not isinstance(metadata.get("epoch"), int):
-            return "no epoch in its metadata"
+            return StateProblem("no epoch in its metadata")
         if metadata["epoch"] < self.local_epoch:
-            return f"{BEHIND_PROBLEM} {metadata['epoch']} is behind this peer's {self.local_epoch}"
+            return StateProblem(f"its epoch {metadata['epoch']} is behind this peer's {self.local_epoch}", behind=True)
         if not isinstance(metadata.get("inner_optimizer_tensors"), int) or "outer_optimizer_metadata" not in metadata:
-            return "it is not a DiLoCo state (is the donor in optimizer.mode sync?)"
+            return StateProblem("it is not a DiLoCo state (is the donor in optimizer.mode sync?)")
         count, extras = len(self.outer_parameters), len(self.extra_tensors)
         if len(tensors) < count + extras + metadata["inner_optimizer_tensors"]:
-            return "it holds fewer tensors than this model has"
+            return StateProblem("it holds fewer tensors than this model has")
         for tensor, parameter in zip(tensors[:count], self.outer_parameters):
             if tensor.shape != parameter.shape:
-                return f"a parameter of shape {tuple(tensor.shape)} where this model has {tuple(parameter.shape)}"
+                return StateProblem(f"a parameter of shape {tuple(tensor.shape)} where this model has "
+                                    f"{tuple(parameter.shape)}")
         if not all_finite(t for t in tensors if t.is_floating_point()):
-            return "non-finite values"
+            return StateProblem(NON_FINITE)
         if self.resyncing:  # a peer of this peer's own round: its outer parameters are at most a few steps apart
             distance = total_norm([t - p for t, p in zip(tensors[:count], self.outer_parameters)])
             bound = MAX_PSEUDO_GRADIENT_TO_PARAMETERS * total_norm(self.outer_parameters)
             if distance > bound:
-                return (f"its parameters are {distance:.4g} away from this peer's (at most {bound:.4g} for a state of "
-                        "the same round)")
+                return StateProblem(f"its parameters are {distance:.4g} away from this peer's (at most {bound:.4g} "
+                                    "for a state of the same round)")
         return None
 
     def outer_state_dict(self) -> dict:

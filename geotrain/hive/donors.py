@@ -5,14 +5,13 @@ a trainer that rejoins in Australia may pull the whole state from Europe over a 
 Australian trainer holds the same epoch. geotrain's averagers (:meth:`GuardedAveragerMixin._load_state_from_peers`
 in :mod:`geotrain.hive.guard`) download with :func:`download_state` instead:
 
-1. **Order** (:func:`rank_donors`): donors that hold the newest epoch (within ``epoch_tolerance``: hivemind
-   itself moves a peer that loaded a state one epoch old up to the swarm's epoch; never one at this peer's own
-   epoch when another holds a newer one, nor, after a held download, one below the swarm's new epoch), then
-   those in this peer's region (the ``region`` label of their signed metric record), then by measured round
-   trip (one TCP handshake with the address in that record, all donors probed at once; round trips within
-   5 ms tie), then by announced priority (the coordinator's is half an epoch above the trainers', so it wins a
-   tie, and only a tie: a durable VM that does not train has the spare CPU to serve). Region and
-   address are what each peer says of itself: a peer that lies about them can reorder donors (bounded by
+1. **Order** (:func:`rank_donors`): donors that hold the newest epoch (within ``epoch_tolerance``: a peer
+   that loaded a state one epoch old catches up with the swarm's epoch; never one at this peer's own epoch
+   when another holds a newer one), then those in this peer's region (the ``region`` label of their signed
+   metric record), then by measured round trip (one TCP handshake with the address in that record, all donors
+   probed at once; round trips within 5 ms tie), then by announced priority (the coordinator's is half an
+   epoch above the trainers', so it wins a tie, and only a tie: a durable VM that does not train has the spare
+   CPU to serve). Region and address are what each peer says of itself: a peer that lies about them can reorder donors (bounded by
    the rules below), never change what is downloaded (that is checked: non-finite, epoch, DiLoCo bounds).
    A peer id claimed by records that disagree is ranked as unknown.
 2. **Watch**: a donor that sends nothing for ``stall_s`` is dropped for the next one; one that is still
@@ -23,8 +22,6 @@ in :mod:`geotrain.hive.guard`) download with :func:`download_state` instead:
 3. **Report**: progress (MB, MB/s, ETA) in the log every ``LOG_EVERY_S``; the shared
    :class:`DownloadProgress` feeds the peer's metrics (``geotrain_state_download_*``); each attempt is an
    event ``state_download`` (donor, its region and round trip, result, bytes, seconds).
-4. **Hold**: the peer's main process may ask (:class:`DownloadHold`) that a download in progress stop and
-   start again later: one that would land after the swarm's next step (:mod:`geotrain.hive.late_download`).
 """
 
 from __future__ import annotations
@@ -50,8 +47,7 @@ PROBE_TIMEOUT_S = 2.0
 PROBATION_S = 10.0
 RTT_RESOLUTION_S = 0.005
 STATE_BYTES_KEY = "geotrain_state_bytes"  # added to the metadata a donor sends (geotrain.hive.guard)
-RESULTS = ("ok", "stalled", "slow", "empty", "failed", "refused", "held")
-HELD = "held"
+RESULTS = ("ok", "stalled", "slow", "empty", "failed", "refused")
 
 
 @dataclass(frozen=True)
@@ -70,9 +66,8 @@ def rank_donors(donors: list[Donor], own_region: str | None, epoch_tolerance: in
                 min_epoch: int | None = None) -> list[Donor]:
     """Donors in the order to ask them: newest state, same region, shortest round trip, highest priority.
 
-    ``min_epoch``: the first epoch of use to this peer: its own plus one (a donor at its own epoch has nothing
-    new for it), or the epoch the swarm has stepped to after a held download. When a donor holds it, donors
-    below it are behind whatever the tolerance.
+    ``min_epoch``: the first epoch of use to this peer, its own plus one (a donor at its own epoch has nothing
+    new for it). When a donor holds it, donors below it are behind whatever the tolerance.
     """
     if not donors:
         return []
@@ -180,56 +175,21 @@ class DownloadProgress:
         return snapshot
 
 
-class DownloadHold:
-    """The peer's main process asks its averager's process to stop the download in progress and to start it
-    again once released, and says which epochs are new to it (shared memory, made before the averagers fork)."""
+class OwnEpoch:
+    """The epoch of the state a peer holds, said by its main process before a load and read by its averager's
+    process, which ranks donors (shared memory, made before the averagers fork)."""
 
     def __init__(self):
-        self._requested = multiprocessing.Event()
-        self._released = multiprocessing.Event()
-        self._limit_s = multiprocessing.Value("d", 0.0, lock=True)
-        self._swarm_epoch = multiprocessing.Value("q", -1, lock=True)  # the epoch seen at the release; -1: none
-        self._own_epoch = multiprocessing.Value("q", -1, lock=True)  # the epoch of the state the peer holds
+        self._epoch = multiprocessing.Value("q", -1, lock=True)
 
-    def note_own_epoch(self, epoch: int) -> None:
+    def note(self, epoch: int) -> None:
         """(the main process, before a load) The peer holds the state of ``epoch``: donors at it have nothing new."""
-        self._own_epoch.value = epoch
+        self._epoch.value = epoch
 
     def first_new_epoch(self) -> int | None:
         """The first epoch whose state is new to the peer; None when it did not say."""
-        value = self._own_epoch.value
+        value = self._epoch.value
         return None if value < 0 else value + 1
-
-    def request(self, limit_s: float) -> None:
-        """Stop the download in progress; the next one starts when released, or after ``limit_s`` at most."""
-        self._limit_s.value = limit_s
-        self._released.clear()
-        self._requested.set()
-
-    def requested(self) -> bool:
-        return self._requested.is_set()
-
-    def release(self, swarm_epoch: int | None = None) -> None:
-        """Let the download start again; ``swarm_epoch``: the epoch the swarm has stepped to, when seen."""
-        self._swarm_epoch.value = -1 if swarm_epoch is None else swarm_epoch
-        self._requested.clear()
-        self._released.set()
-
-    def wait_for_release(self) -> bool:
-        """(the averager's process) Block until released (True) or the limit passed (False)."""
-        released = self._released.wait(self._limit_s.value)
-        self._requested.clear()
-        return released
-
-    def swarm_epoch(self) -> int | None:
-        """The epoch the swarm had stepped to when the hold was released; None when that was not seen."""
-        value = self._swarm_epoch.value
-        return None if value < 0 else value
-
-    def reset(self) -> None:
-        self._requested.clear()
-        self._released.clear()
-        self._swarm_epoch.value = -1
 
 
 @dataclass
@@ -246,10 +206,8 @@ class Attempt:
 
 
 async def fetch_from(averager, donor: Donor, *, last: bool, stall_s: float, min_rate_bytes_s: float,
-                     progress: DownloadProgress | None, probation_s: float = PROBATION_S,
-                     hold: DownloadHold | None = None) -> Attempt:
-    """One donor's state, watched: stalled, slow (unless ``last``, then bounded by bytes / min rate), empty;
-    held when ``hold`` is requested."""
+                     progress: DownloadProgress | None, probation_s: float = PROBATION_S) -> Attempt:
+    """One donor's state, watched: stalled, slow (unless ``last``, then bounded by bytes / min rate), empty."""
     started = time.monotonic()
     received, expected, metadata = 0, None, None
     tensors, parts = [], []
@@ -275,8 +233,6 @@ async def fetch_from(averager, donor: Donor, *, last: bool, stall_s: float, min_
                 parts = []
             parts.append(message.tensor_part)
             received += len(message.tensor_part.buffer)
-            if hold is not None and hold.requested():
-                return Attempt(donor, HELD, received, time.monotonic() - started)
             now = time.monotonic()
             elapsed = now - started
             rate = received / elapsed if elapsed > 0 else 0.0
@@ -309,18 +265,16 @@ async def fetch_from(averager, donor: Donor, *, last: bool, stall_s: float, min_
 
 async def download_state(averager, donors: list[Donor], *, stall_s: float, min_rate_bytes_s: float,
                          probation_s: float = PROBATION_S, progress: DownloadProgress | None = None,
-                         on_attempt=None, refusal=None, hold: DownloadHold | None = None) -> Attempt | None:
+                         on_attempt=None, refusal=None) -> Attempt | None:
     """Ask ``donors`` in order until one sends a whole state that ``refusal(attempt)`` (when given) finds
-    nothing wrong with (it returns a reason, or None); the successful attempt, the held one (``hold`` was
-    requested: no other donor is asked), or None."""
+    nothing wrong with (it returns a reason, or None); the successful attempt, or None."""
     for index, donor in enumerate(donors):
         if donor.peer_id == averager.peer_id.to_base58():
             continue
         logger.info("downloading the state from %s (%s, %s)", donor.peer_id, donor.region or "region unknown",
                     "round trip unknown" if donor.rtt_s is None else f"round trip {1000 * donor.rtt_s:.0f} ms")
         attempt = await fetch_from(averager, donor, last=index == len(donors) - 1, stall_s=stall_s,
-                                   min_rate_bytes_s=min_rate_bytes_s, progress=progress, probation_s=probation_s,
-                                   hold=hold)
+                                   min_rate_bytes_s=min_rate_bytes_s, progress=progress, probation_s=probation_s)
         reason = refusal(attempt) if refusal is not None and attempt.result == "ok" else None
         if reason is not None:
             attempt = Attempt(donor, "refused", attempt.received_bytes, attempt.seconds)
@@ -332,10 +286,6 @@ async def download_state(averager, donors: list[Donor], *, stall_s: float, min_r
             logger.info("downloaded the state from %s (%s): %.1f MB in %.1f s (%.2f MB/s)", donor.peer_id,
                         donor.region or "region unknown", attempt.received_bytes / 1e6, attempt.seconds,
                         attempt.bytes_per_second / 1e6)
-            return attempt
-        if attempt.result == HELD:
-            logger.info("state download from %s held after %.1f s (%s): it would land after the swarm's next "
-                        "step", donor.peer_id, attempt.seconds, _megabytes(attempt.received_bytes, None))
             return attempt
         if attempt.result != "empty":
             logger.warning("state download from %s %s after %.1f s (%s, %.2f MB/s)%s", donor.peer_id,

@@ -38,7 +38,7 @@ from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
-from geotrain.hive.donors import (HELD, PROBATION_S, PROBE_TIMEOUT_S, STATE_BYTES_KEY, DownloadHold, DownloadProgress,
+from geotrain.hive.donors import (PROBATION_S, PROBE_TIMEOUT_S, STATE_BYTES_KEY, DownloadProgress, OwnEpoch,
                                   donor_labels, download_state, measure_donors, rank_donors)
 from geotrain.hive.metric_records import read_records
 
@@ -59,10 +59,6 @@ COUNTED = (
 # summed over the swarm, every byte of every averaging round that crossed between peers, counted once (by its
 # reducer); what the compression changes, without the DHT's and the state downloads' traffic
 AVERAGING_DIRECTIONS = ("received", "sent")
-# after a held download, how long to look for a donor that announces the swarm's new epoch: the others declare
-# it as they step, a DHT store apart from the progress record that released the hold
-NEW_EPOCH_DONOR_WAIT_S = 3.0
-NEW_EPOCH_DONOR_POLL_S = 0.5
 
 
 class ContributionRefused(Exception):
@@ -123,7 +119,7 @@ class GuardReport:
         self._allowed_donors = multiprocessing.Array("c", self.ALLOWED_DONORS * SharedBans.SLOT_BYTES, lock=True)
         self._last_donor = multiprocessing.Array("c", 2 * SharedBans.SLOT_BYTES + 1, lock=True)
         self.downloads = DownloadProgress()
-        self.download_hold = DownloadHold()
+        self.own_epoch = OwnEpoch()
         self._averaging_bytes = multiprocessing.Array("q", len(AVERAGING_DIRECTIONS), lock=True)
 
     ALLOWED_DONORS = 64
@@ -229,15 +225,13 @@ class GuardedAveragerMixin:
     guard_max_weight = float("inf")
     # where state downloads come from (geotrain.hive.donors): this peer's region and run (for the donors'
     # records), the rate below which a donor is dropped, how long one may send nothing, and how many epochs
-    # a donor may be behind the newest and still count as current; the longest a download is held for the
-    # swarm's step (0: never held)
+    # a donor may be behind the newest and still count as current
     donor_region: str | None = None
     donor_run_id: str | None = None
     donor_min_rate_bytes_s = 125_000.0
     donor_stall_s = 15.0
     donor_probation_s = PROBATION_S
     donor_epoch_tolerance = 1
-    donor_hold_limit_s = 0.0
 
     _get_handle_name = classmethod(lambda cls, namespace, method_name: hivemind_handle_name(cls, namespace,
                                                                                            method_name))
@@ -362,12 +356,9 @@ class GuardedAveragerMixin:
 
     def load_state_from_peers(self, *args, **kwargs):
         """hivemind's download, waited for as long as the state's bytes take at the expected rate (the
-        averager's process drops stalled and slow donors: geotrain.hive.donors), not a fixed timeout; a
-        download held for the swarm's step (geotrain.hive.late_download) may take the hold and a second one."""
+        averager's process drops stalled and slow donors: geotrain.hive.donors), not a fixed timeout."""
         if kwargs.get("timeout") is not None:
-            bound_s = self.state_download_bound_s()
-            kwargs["timeout"] = max(kwargs["timeout"], bound_s) + \
-                (self.donor_hold_limit_s + bound_s if self.donor_hold_limit_s > 0 else 0.0)
+            kwargs["timeout"] = max(kwargs["timeout"], self.state_download_bound_s())
         return super().load_state_from_peers(*args, **kwargs)
 
     def state_download_bound_s(self, donors: int = 3) -> float:
@@ -391,35 +382,14 @@ class GuardedAveragerMixin:
                 future.set_result(None)
 
     async def _download_from_nearest_donor(self):
-        """The nearest donor's state; a download held by the peer's main process (it would land after the
-        swarm's next step: geotrain.hive.late_download) starts again, from the donors then, once released."""
-        hold = self.guard_report.download_hold if self.guard_report is not None else None
-        first_new_epoch = hold.first_new_epoch() if hold is not None else None
-        attempt = await self._download_once(hold, first_new_epoch)
-        if attempt is None or attempt.result != HELD:
-            return attempt
-        released = await asyncio.get_running_loop().run_in_executor(None, hold.wait_for_release)
-        swarm_epoch = hold.swarm_epoch() if released else None
-        if swarm_epoch is None:
-            logger.info("downloading the state again (the swarm did not step in time)")
-            return await self._download_once(None, first_new_epoch)
-        # hivemind's tracker does not update during a load, so a state of the epoch before the step would not be
-        # moved up to the swarm's epoch: this peer would miss the next round and download again
-        logger.info("downloading the state again, from a donor at the swarm's epoch %d", swarm_epoch)
-        return await self._download_once(None, max(swarm_epoch, first_new_epoch or 0), swarm_epoch=swarm_epoch)
-
-    async def _download_once(self, hold, min_epoch: int | None, swarm_epoch: int | None = None):
-        """One download from the donors in their order (:func:`rank_donors`; below ``min_epoch``: behind).
-        ``swarm_epoch`` (known after a hold): wait a moment for a donor that announces it (the others declare
-        their step a DHT store after the progress record that ended the hold)."""
+        """One download from the donors in their order (:func:`rank_donors`; those at this peer's own epoch or
+        below are behind when another has something newer)."""
         report = self.guard_report
         allowed = report.allowed_donors() if report is not None else None
         banned = report.bans.active() if report is not None else set()
         loop = asyncio.get_running_loop()
         donors_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
         announced = await loop.run_in_executor(None, _announced_donors, self.dht, donors_key)
-        if swarm_epoch is not None:
-            announced = await self._donors_once_one_announces(donors_key, announced, swarm_epoch)
         candidates = announced if allowed is None else {name: announced.get(name, 0.0) for name in allowed}
         own = self.peer_id.to_base58()
         candidates = {name: priority for name, priority in candidates.items() if name not in banned and name != own}
@@ -431,26 +401,11 @@ class GuardedAveragerMixin:
             records = await loop.run_in_executor(None, read_records, self.dht, self.donor_run_id)
             labels = donor_labels(records)
         donors = rank_donors(await measure_donors(candidates, labels), self.donor_region, self.donor_epoch_tolerance,
-                             min_epoch=min_epoch)
+                             min_epoch=None if report is None else report.own_epoch.first_new_epoch())
         return await download_state(self, donors, stall_s=self.donor_stall_s,
                                     min_rate_bytes_s=self.donor_min_rate_bytes_s, probation_s=self.donor_probation_s,
                                     progress=None if report is None else report.downloads,
-                                    on_attempt=self._report_download_attempt, refusal=self._refuse_non_finite_state,
-                                    hold=hold)
-
-    async def _donors_once_one_announces(self, donors_key: str, announced: dict[str, float],
-                                         epoch: int) -> dict[str, float]:
-        """The donor record read again until another peer announces ``epoch`` (or NEW_EPOCH_DONOR_WAIT_S)."""
-        own = self.peer_id.to_base58()
-        deadline = time.monotonic() + NEW_EPOCH_DONOR_WAIT_S
-        loop = asyncio.get_running_loop()
-        while not any(math.floor(priority) >= epoch for name, priority in announced.items() if name != own):
-            if time.monotonic() >= deadline:
-                logger.info("no peer announces the state of epoch %d yet; asking the donors there are", epoch)
-                break
-            await asyncio.sleep(NEW_EPOCH_DONOR_POLL_S)
-            announced = await loop.run_in_executor(None, _announced_donors, self.dht, donors_key)
-        return announced
+                                    on_attempt=self._report_download_attempt, refusal=self._refuse_non_finite_state)
 
     def _refuse_non_finite_state(self, attempt) -> str | None:
         """A state with non-finite values is refused, and its donor left out for ``ban_s`` (the download goes on

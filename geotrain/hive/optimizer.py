@@ -6,7 +6,6 @@ without ever stepping). :class:`MeasuredOptimizer` reports how each gradient ave
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from functools import partial
@@ -15,24 +14,25 @@ import hivemind
 import torch
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils import get_dht_time
 
 from geotrain.config import GeotrainConfig
 from geotrain.hive.diloco import OuterStateAverager, diloco_optimizer_class
 from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm_token
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
-from geotrain.hive.keys import swarm_epoch_and_trainers
-from geotrain.hive.late_download import LateDownloadWatch, SwarmClock, late_download_hold_limit_s
+from geotrain.hive.keys import read_progress, swarm_epoch_and_trainers
 from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.missed_round import watch_round
 from geotrain.hive.part_reducer import install as install_part_reducer_fix
 from geotrain.hive.powersgd import PowerSGDKeepingAverager
 from geotrain.hive.quantization import install as install_quantization_decoder
 from geotrain.hive.rounds import averaging_round_result, round_error
+from geotrain.hive.task_references import install as install_task_references
 from geotrain.hive.step_guard import StepGuard, all_finite
 from geotrain.schedule import schedule_of
 
 logger = logging.getLogger(__name__)
+
+MIN_GROUP_SIZE = 2  # hivemind's averagers' default: the fewest peers an averaging group forms with
 
 
 def optimizer_class_of(name: str) -> type:
@@ -247,6 +247,7 @@ class MeasuredOptimizer(hivemind.Optimizer):
     on_averaging_round = None  # callable(result, duration_s)
     missed_round_check_s = 1.0  # how often a round looking for a group reads the swarm's progress
     swarm_step_poll_s = 0.2  # how often a load that waits for the swarm's step looks at hivemind's view of it
+    catch_up_poll_s = 0.5  # how often a loaded peer that waits for the swarm's step reads the progress records
     _missed_round_of_epoch = None  # the epoch of a round given up because the swarm had stepped past it
     _round_being_used = None  # the StepControl whose results _average_gradients_and_load_into_optimizer uses
 
@@ -297,26 +298,59 @@ class MeasuredOptimizer(hivemind.Optimizer):
             self._wait_while_the_swarm_steps()
         report = getattr(self.state_averager, "guard_report", None)
         if report is not None:  # a donor at this peer's own epoch has nothing new for it
-            report.download_hold.note_own_epoch(self.local_epoch)
-        with self._late_download_watch():
-            result = super().load_state_from_peers(**kwargs)
+            report.own_epoch.note(self.local_epoch)
+        result = super().load_state_from_peers(**kwargs)
+        self._catch_up_with_the_swarm()
         # hivemind moves a peer that loaded a state one epoch old up to the swarm's epoch ("catching up") without
         # stepping the learning rate schedule: that epoch would run at the previous epoch's rate
         self.state_averager._update_scheduler()
         return result
 
-    def _late_download_watch(self):
-        """A sync-mode trainer's download that would land after the swarm's step is held until the step
-        (geotrain.hive.late_download)."""
-        averager = self.state_averager
-        report = getattr(averager, "guard_report", None)
-        if report is None or getattr(averager, "donor_hold_limit_s", 0.0) <= 0 or not self.use_gradient_averaging \
-                or self.auxiliary:
-            return contextlib.nullcontext()
-        clock = SwarmClock.from_progress(self.tracker.global_progress, self.matchmaking_time, get_dht_time())
-        return LateDownloadWatch(report.download_hold, report.downloads, clock, self.matchmaking_time,
-                                 averager.donor_hold_limit_s,
-                                 swarm_epoch=lambda: swarm_epoch_and_trainers(self.dht, self.run_id)[0])
+    def _catch_up_with_the_swarm(self) -> None:
+        """hivemind's catching up after a load, with the swarm's epoch read afresh (sync mode).
+
+        hivemind moves a peer whose loaded state is one epoch behind the swarm up to the swarm's epoch: it joins
+        the next round, and the state averaging round after it evens out the step its parameters missed. But
+        hivemind compares with its tracker's view from before the load (the tracker does not update while a
+        load runs), so a download that ends after the swarm's step left the peer one epoch behind; at its next
+        step it had missed the round and downloaded the state again. Seen in the churn soak: two of six rejoins
+        downloaded twice (docs/state-transfer.md). Here the swarm's progress records are read again once the
+        load is done. When the swarm's round of this peer's epoch is under way without it (the others' records
+        hold the whole batch and they are enough for a group), it waits for that step first, at most the
+        matchmaking time plus the averaging timeout, and then catches up: the round is lost to it either way,
+        and a second download would cost more than the wait.
+        """
+        if self.auxiliary or not self.use_gradient_averaging or self.delay_grad_averaging:
+            return  # (with delayed updates one epoch behind is the normal way into a round: hivemind's rule holds)
+        own = self.dht.peer_id.to_base58()
+        deadline = time.monotonic() + self.matchmaking_time + self.averaging_timeout
+        waited_from = None
+        while True:
+            try:
+                others = [progress for peer, progress in read_progress(self.dht, self.run_id).items() if peer != own]
+            except Exception as error:  # the DHT did not answer: hivemind's own catching up is what there is
+                logger.warning("could not read the swarm's progress after the load: %r", error)
+                return
+            swarm_epoch = max((progress.epoch for progress in others), default=self.local_epoch)
+            at_epoch = [progress.samples_accumulated for progress in others if progress.epoch == swarm_epoch]
+            stepping = (swarm_epoch == self.local_epoch and len(at_epoch) >= MIN_GROUP_SIZE
+                        and sum(at_epoch) >= self.tracker.target_batch_size)
+            if not stepping or time.monotonic() >= deadline:
+                break
+            if waited_from is None:
+                waited_from = time.monotonic()
+                logger.info("the swarm is averaging the gradients of epoch %d, this peer's epoch, without it: "
+                            "waiting for its step to catch up with it", swarm_epoch)
+            time.sleep(self.catch_up_poll_s)
+        if waited_from is not None:
+            logger.info("waited %.1f s for the swarm's step (the swarm is at epoch %d)", time.monotonic() - waited_from,
+                        swarm_epoch)
+        if swarm_epoch != self.local_epoch + 1:
+            return
+        logger.info("the swarm stepped to epoch %d while this peer loaded the state of epoch %d: catching up (its "
+                    "parameters miss one step until the next state averaging round)", swarm_epoch, self.local_epoch)
+        self.state_averager.local_epoch = swarm_epoch
+        self.tracker.report_local_progress(local_epoch=swarm_epoch, samples_accumulated=0)
 
     def _wait_while_the_swarm_steps(self) -> None:
         """Before a download: while the swarm's gradient round is under way, wait until it has stepped.
@@ -325,11 +359,10 @@ class MeasuredOptimizer(hivemind.Optimizer):
         is one step old when the swarm's step lands, and this peer comes too late for the group. Waiting for
         the swarm's new epoch costs the rest of its all-reduce, and this peer downloads the state the others
         step from next. Bounded by the matchmaking and averaging timeouts, and over as soon as the records that
-        hold the swarm's samples expire (a swarm that left). A download that begins before the round and would
-        end after its group forms is held by geotrain.hive.late_download, which judges it by its rate: a near
-        donor's state arrives in time, and with a single other trainer no group forms without this peer, so
-        waiting for it to step would stall both (seen in CI: 30 s, until the other gave up its round). An
-        earlier rule also waited whenever the step was nearer than the matchmaking time, and did just that.
+        hold the swarm's samples expire (a swarm that left). A download that begins before the round and ends
+        after its group forms catches up afterwards (:meth:`_catch_up_with_the_swarm`). An earlier rule also
+        waited whenever the step was nearer than the matchmaking time: with a single other trainer no group
+        forms without this peer, and it stalled both in CI for 30 s, until the other gave up its round.
         """
         tracker = self.tracker
         progress = tracker.global_progress
@@ -423,8 +456,6 @@ def guarded(averager_class: type, admission: Admission, report: GuardReport, con
                  "donor_region": config.metrics.region, "donor_run_id": config.swarm.run_id,
                  "donor_min_rate_bytes_s": opt.state_download_min_mbit_s * 1e6 / 8,
                  "donor_stall_s": opt.state_download_stall_s,
-                 "donor_hold_limit_s": late_download_hold_limit_s(opt.round_matchmaking_time_s,
-                                                                  opt.averaging_timeout_s),
                  # a DiLoCo state one round old is a different model (sync mode: hivemind's catch-up covers one;
                  # asking only donors of the newest epoch first sent rejoins in the churn soak across oceans
                  # rather than to the coordinator next to them, one epoch behind: 39 s instead of 0.2 s)
@@ -444,6 +475,7 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     opt = config.optimizer
     install_quantization_decoder()  # before hivemind's averagers fork: they decode the parts others send
     install_part_reducer_fix()  # ... and reduce them: a member that vanishes mid-round must not stall the round
+    install_task_references()  # ... and keep their running tasks alive: a collected round wedges the averager
     report = guard_report if guard_report is not None else GuardReport(None)
     admission = Admission(config.swarm.run_id, load_swarm_token(config.swarm), load_allowed_peer_ids(config.swarm))
     grad_averager_options = {}

@@ -58,7 +58,7 @@ def test_a_stale_donor_comes_after_every_current_one_however_near():
 
 
 def test_a_donor_with_nothing_new_for_this_peer_is_behind_when_another_has_something():
-    # a trainer at epoch 7 that missed the swarm's step to 8 (or, rejoining, was held until it): the coordinator's
+    # a trainer at epoch 7 that missed the swarm's step to 8: the coordinator's
     # checkpoint (7 + 0.5) and a trainer yet to declare its step hold the epoch before, however near
     donors = [Donor("near-coordinator", 7.5, "aus", 0.001), Donor("near-not-yet", 7, "aus", 0.001),
               Donor("far-stepped", 8, "us", 0.300)]
@@ -141,16 +141,6 @@ class TricklingDonor(DecentralizedAverager):
 
 class GoodDonor(GuardedAveragerMixin, DecentralizedAverager):
     guard_config = GuardConfig()
-
-
-class SteadyDonor(GoodDonor):
-    """A geotrain donor behind a thin link: 64 KiB every 0.2 s (a downloader that expects that little waits)."""
-
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
-                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        async for message in super().rpc_download_state(request, context):
-            await asyncio.sleep(0.2)
-            yield message
 
 
 class Downloader(GuardedAveragerMixin, DecentralizedAverager):
@@ -248,42 +238,6 @@ def test_a_donor_whose_state_is_not_finite_is_refused_banned_and_the_next_one_as
     # with the finite donor gone too, nothing is loaded: the peer keeps what it has
     report.bans.ban(good.peer_id.to_base58(), 600)
     assert downloader.load_state_from_peers(timeout=60) is None
-
-
-def test_a_held_download_stops_and_brings_the_state_the_donor_holds_once_released(swarm):
-    patient = type("PatientDownloader", (Downloader,), {"donor_min_rate_bytes_s": 1e4})
-    (donor,), downloader, report = swarm.downloader((SteadyDonor, 3.0, 9.0), downloader_class=patient)
-    loading = downloader.load_state_from_peers(wait=False)
-    wait_until(lambda: report.downloads.snapshot()["received_bytes"] > 0, "the first bytes")
-    report.download_hold.request(limit_s=60)  # what the peer's main process does (geotrain.hive.late_download)
-    wait_until(lambda: report.downloads.snapshot()["attempts"]["held"] == 1, "the held attempt")
-    with donor.get_tensors() as tensors:  # the swarm steps: the donor holds a new state
-        tensors[0].fill_(7.0)
-    time.sleep(1.0)
-    assert not loading.done(), "the download went on before it was released"
-    report.download_hold.release()
-    _, tensors = loading.result(timeout=60)
-    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 7.0)), "the state is not the one the donor held then"
-    assert report.downloads.snapshot()["attempts"]["ok"] == 1
-
-
-def test_after_a_hold_the_download_waits_for_a_donor_that_announces_the_swarms_new_epoch(swarm):
-    # the held donor announces the higher priority (a coordinator's checkpoint, 3 + 0.5); the other trainer steps
-    # to epoch 4 and declares it a moment after the progress record that released the hold
-    patient = type("PatientDownloader", (Downloader,), {"donor_min_rate_bytes_s": 1e4})
-    (checkpoint, trainer), downloader, report = swarm.downloader((SteadyDonor, 3.0, 3.5), (GoodDonor, 3.0, 3.0),
-                                                                  downloader_class=patient)
-    loading = downloader.load_state_from_peers(wait=False)
-    wait_until(lambda: report.downloads.snapshot()["received_bytes"] > 0, "the first bytes")
-    report.download_hold.request(limit_s=60)
-    wait_until(lambda: report.downloads.snapshot()["attempts"]["held"] == 1, "the held attempt")
-    report.download_hold.release(swarm_epoch=4)
-    time.sleep(1.0)
-    with trainer.get_tensors() as tensors:
-        tensors[0].fill_(7.0)
-    trainer.state_sharing_priority = 4.0
-    _, tensors = loading.result(timeout=60)
-    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 7.0)), "the state is not the new epoch's"
 
 
 def test_a_leaving_peer_offers_its_state_to_no_new_downloader(swarm):

@@ -15,14 +15,20 @@ import logging
 import threading
 import time
 
+import hivemind
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import SchemaValidator
+from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgressSchema
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from geotrain.config import load_config
+from geotrain.hive.keys import progress_key, read_progress, swarm_epoch_and_trainers
 from geotrain.hive.missed_round import watch_round
 from optimizer_pair import optimizer_pair
 from waiting import wait_until
@@ -228,3 +234,106 @@ def loads_at_once(optimizer, caplog) -> None:
         optimizer.load_state_from_peers()
     assert "once it has stepped" not in caplog.text, "the load waited for the swarm's step"
     assert optimizer.local_epoch == 0
+
+
+class OtherTrainer:
+    """A DHT node in this process that signs progress records with a key of its own, as another trainer
+    process would (this process's trainers share one signing key, so one progress subkey)."""
+
+    def __init__(self, dht):
+        signer = RSASignatureValidator(RSAPrivateKey())  # (the DHT's process forks with it)
+        self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                initial_peers=[str(a) for a in dht.get_visible_maddrs()],
+                                record_validators=[signer, SchemaValidator(TrainingProgressSchema, prefix=RUN_ID)])
+        self.subkey = signer.local_public_key
+
+    def reports(self, epoch: int, samples: int) -> None:
+        progress = LocalTrainingProgress(peer_id=self.dht.peer_id.to_bytes(), epoch=epoch, samples_accumulated=samples,
+                                         samples_per_second=100.0, time=get_dht_time(), client_mode=False)
+        assert self.dht.store(progress_key(RUN_ID), subkey=self.subkey, value=progress.dict(),
+                              expiration_time=get_dht_time() + 60)
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()
+
+
+@pytest.fixture
+def other_trainers(trainers):
+    made = []
+    yield lambda: made.append(OtherTrainer(trainers[1][1].dht)) or made[-1]
+    for other in made:
+        other.shutdown()
+
+
+def the_swarm_steps_during_the_download(optimizer, swarm_steps) -> None:
+    """The receiver's download, with the swarm's step right after it, while hivemind's tracker is still paused."""
+    download = optimizer.state_averager.load_state_from_peers
+
+    def download_then_step(**kwargs):
+        result = download(**kwargs)
+        swarm_steps()
+        wait_until(lambda: swarm_epoch_and_trainers(optimizer.dht, RUN_ID)[0] == 1, "the step in the records")
+        return result
+
+    optimizer.state_averager.load_state_from_peers = download_then_step
+
+
+def test_a_load_that_ends_after_the_swarms_step_catches_up_with_it(trainers, other_trainers):
+    # hivemind's own catching up compares with its tracker's view from before the load: the peer stayed at
+    # epoch 0, and at its next step it would have missed the round and downloaded again
+    (donor_model, _), (model, optimizer) = trainers
+    other = other_trainers()
+    the_swarm_steps_during_the_download(optimizer, lambda: other.reports(epoch=1, samples=0))
+
+    optimizer.load_state_from_peers()
+
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), donor_model.parameters())), "nothing was loaded"
+    assert optimizer.state_averager.loaded_epoch in (None, 0) and optimizer.local_epoch == 1
+    assert optimizer.tracker.local_progress.epoch == 1, "the swarm does not count this peer in its epoch"
+    backward(model)
+    assert not optimizer._should_load_state_from_peers(), "it would download the state again"
+
+
+def test_a_load_that_ends_during_the_swarms_round_waits_for_its_step_then_catches_up(trainers, other_trainers,
+                                                                                        caplog):
+    # two other trainers reach the whole batch of epoch 0 during the download: their group forms without this
+    # peer, which can no longer join it
+    _, (_, optimizer) = trainers
+    others = [other_trainers(), other_trainers()]
+    stepped = threading.Timer(3.0, lambda: [other.reports(epoch=1, samples=0) for other in others])
+    download = optimizer.state_averager.load_state_from_peers
+
+    def download_then_the_swarms_round(**kwargs):
+        result = download(**kwargs)
+        for other in others:
+            other.reports(epoch=0, samples=32)
+        wait_until(lambda: sum(p.samples_accumulated for p in read_progress(optimizer.dht, RUN_ID).values()) >= 64,
+                   "the whole batch in the records")
+        stepped.start()
+        return result
+
+    optimizer.state_averager.load_state_from_peers = download_then_the_swarms_round
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+        optimizer.load_state_from_peers()
+    stepped.join()
+    assert "waiting for its step" in caplog.text
+    assert optimizer.local_epoch == 1, "it did not catch up once the swarm had stepped"
+
+
+def test_a_load_next_to_a_single_other_trainer_does_not_wait_for_a_step_that_needs_this_peer(trainers,
+                                                                                             other_trainers, caplog):
+    _, (_, optimizer) = trainers
+    other = other_trainers()
+    download = optimizer.state_averager.load_state_from_peers
+
+    def download_then_the_others_batch(**kwargs):
+        result = download(**kwargs)
+        other.reports(epoch=0, samples=64)
+        wait_until(lambda: any(p.samples_accumulated >= 64 for p in read_progress(optimizer.dht, RUN_ID).values()),
+                   "the whole batch in the records")
+        return result
+
+    optimizer.state_averager.load_state_from_peers = download_then_the_others_batch
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+        optimizer.load_state_from_peers()
+    assert "waiting for its step" not in caplog.text and optimizer.local_epoch == 0
