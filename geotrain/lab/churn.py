@@ -478,15 +478,43 @@ def transfer_bound_s(state_bytes: float, link) -> float:
     return state_bytes * 8 / (link.bandwidth_mbit_s * 1e6) + link.latency_ms / 1000
 
 
-def nearest_donor_bound(state_bytes: float, region: str, topology: Topology) -> tuple[float, str] | None:
+def nearest_donor_bound(state_bytes: float, region: str, topology: Topology,
+                        holders: dict[str, int] | None = None) -> tuple[float, str] | None:
     """(seconds, donor region) of the fastest transfer to ``region`` from a region that holds another peer
-    (a trainer, or the coordinator in the first region); None when no link is known."""
-    peers = {r.name: r.peers for r in topology.regions}
-    peers[region] -= 1  # the rejoining trainer itself
-    peers[topology.regions[0].name] += 1  # the coordinator
+    (a trainer, or the coordinator in the first region); None when no link is known. ``holders``: the peers
+    that held the swarm's current state, by region (:func:`current_holders`); without it, every trainer of the
+    topology but the rejoining one, and the coordinator."""
+    if holders is None:
+        peers = {r.name: r.peers for r in topology.regions}
+        peers[region] -= 1  # the rejoining trainer itself
+        peers[topology.regions[0].name] += 1  # the coordinator
+    else:
+        peers = dict(holders)
     bounds = [(transfer_bound_s(state_bytes, link), name) for name, count in peers.items() if count > 0
               for link in [topology.link(region, name)] if link is not None]
     return min(bounds) if bounds else None
+
+
+def current_holders(unix_s: float, incarnations: list[dict], topology: Topology, but: str) -> dict[str, int]:
+    """Peers by region that held the swarm's current state at ``unix_s``, other than incarnation ``but``: trainers
+    running then (a rejoined one once it had loaded the state) that had not been told to stop, and the
+    coordinator while a trainer shared its region (only then does it keep its state current every epoch:
+    ``coordinator.refresh_in_region``; otherwise it offers its last checkpoint's)."""
+    holders: dict[str, int] = {}
+    for incarnation in incarnations:
+        if incarnation["name"] == but:
+            continue
+        if incarnation["index"] == 0:
+            ready_s = incarnation["started_unix_s"]
+        else:
+            ready_s = next((e["time"] for e in incarnation["events"] if e["event"] == "state_loaded"), None)
+        ended_s = incarnation.get("ended_unix_s")
+        if ready_s is not None and ready_s <= unix_s and (ended_s is None or ended_s > unix_s):
+            holders[incarnation["region"]] = holders.get(incarnation["region"], 0) + 1
+    coordinator_region = topology.regions[0].name
+    if holders.get(coordinator_region):
+        holders[coordinator_region] += 1
+    return holders
 
 
 def epoch_problems(name: str, events: list[dict]) -> list[str]:
@@ -560,8 +588,10 @@ def final_parameters(incarnations: list[dict]) -> dict:
             "params_sha256": sorted(set(hashes.values()))}
 
 
-def rejoin_record(incarnation: dict, topology: Topology) -> dict:
-    """Seconds from a rejoined process's start to its state load and first contributed epoch, and the bound.
+def rejoin_record(incarnation: dict, topology: Topology, incarnations: list[dict] | None = None) -> dict:
+    """Seconds from a rejoined process's start to its state load and first contributed epoch, and the bound:
+    the transfer from the nearest region that held the swarm's current state when the download began
+    (:func:`current_holders`, given ``incarnations``).
 
     The path in parts: the process's start to joining the DHT (``to_joined_s``), the state's download
     itself (``download_s``, against the bound: ``download_ratio``), and the rest (the wait for the
@@ -580,7 +610,11 @@ def rejoin_record(incarnation: dict, topology: Topology) -> dict:
     if finished is not None and last_epoch_s is not None:  # the agreement's download comes after the last epoch
         downloads = [e for e in downloads if e["time"] <= last_epoch_s]
     state_bytes = download.get("bytes") if download else None
-    bound = nearest_donor_bound(state_bytes, incarnation["region"], topology) if state_bytes else None
+    holders = None
+    if incarnations is not None and download is not None:
+        holders = current_holders(download["time"] - download.get("seconds", 0.0), incarnations, topology,
+                                  but=incarnation["name"])
+    bound = nearest_donor_bound(state_bytes, incarnation["region"], topology, holders) if state_bytes else None
     record = {
         "name": incarnation["name"], "region": incarnation["region"],
         "to_joined_s": joined["time"] - start_s if joined else None,
@@ -656,7 +690,7 @@ def measure_soak(incarnations: list[dict], topology: Topology, warmup_epochs: in
         # the share of trainer time the churn took away: [EMJ24]'s "interruption rate", as this run measured it
         "trainer_seconds_lost": lost_s,
         "interruption_fraction": lost_s / (slots * rate["wall_s"]) if rate.get("wall_s") and slots else None,
-        "rejoins": [rejoin_record(i, topology) for i in incarnations if i["index"] > 0],
+        "rejoins": [rejoin_record(i, topology, incarnations) for i in incarnations if i["index"] > 0],
         "epochs_monotonic": not problems, "epoch_problems": problems,
         "checkpoints_kept": None if checkpoints_before is None else not lost, "checkpoint_problems": lost,
         "checkpoints": checkpoints_after, "restored_checkpoint": restored,

@@ -10,8 +10,8 @@ import pytest
 
 from geotrain.lab.bench import add_bench_arguments, plan_benchmark
 from geotrain.lab.churn import (END_GUARD_EPOCHS, KILL, NOTICE, REJOIN_ALLOWANCE_S, RESTART, ChurnError,
-                                checkpoint_problems, epoch_problems, expected_notices, measure_soak,
-                                nearest_donor_bound, plan_churn, restored_checkpoint, soak_epochs)
+                                checkpoint_problems, current_holders, epoch_problems, expected_notices,
+                                measure_soak, nearest_donor_bound, plan_churn, restored_checkpoint, soak_epochs)
 
 SLOTS = ["peer-1-us", "peer-2-eu", "peer-3-asia", "peer-4-aus"]
 
@@ -99,9 +99,10 @@ def _finished(time_s: float, epoch: int, sha: str, stopped: bool = False) -> dic
 
 
 def _incarnation(slot: str, region: str, index: int, events: list[dict], started_s: float = 0.0,
-                 ended_by: str | None = None) -> dict:
+                 ended_by: str | None = None, ended_s: float | None = None) -> dict:
     return {"slot": slot, "region": region, "index": index, "name": slot if index == 0 else f"{slot}.r{index}",
-            "events": events, "started_unix_s": started_s, "ended_by": ended_by, "exit_code": 0}
+            "events": events, "started_unix_s": started_s, "ended_by": ended_by, "ended_unix_s": ended_s,
+            "exit_code": 0}
 
 
 def _swarm(final_shas=("a" * 64, "a" * 64), rejoin_training_epoch=3) -> list[dict]:
@@ -119,7 +120,7 @@ def _swarm(final_shas=("a" * 64, "a" * 64), rejoin_training_epoch=3) -> list[dic
                  {"event": "epoch", "time": 55.0, "epoch": 6, "samples": 512},
                  _finished(62, 6, final_shas[1])]
     return [_incarnation("peer-1-us", "us", 0, us),
-            _incarnation("peer-2-eu", "eu", 0, eu_first, ended_by=NOTICE),
+            _incarnation("peer-2-eu", "eu", 0, eu_first, ended_by=NOTICE, ended_s=20.0),
             _incarnation("peer-2-eu", "eu", 1, eu_rejoin, started_s=30.0)]
 
 
@@ -144,6 +145,23 @@ def test_a_rejoin_is_timed_to_its_first_contributed_epoch_and_bounded_by_the_nea
     assert rejoin["to_joined_s"] == pytest.approx(2.0) and rejoin["state_downloads"] == 1
     assert measured["epochs_monotonic"] and measured["parameters"]["identical"]
     assert measured["parameters"]["trainers"] == ["peer-1-us", "peer-2-eu.r1"]  # the preempted one is not asked
+
+
+def test_the_bound_counts_only_the_regions_that_held_the_current_state_when_the_download_began():
+    # the US trainer was killed: the coordinator there offered its last checkpoint, so the nearest current
+    # donors were in Europe; a rejoin's own predecessor, and a rejoin yet to load the state, held nothing
+    topology = _plan().topology
+    incarnations = [_incarnation("peer-1-us", "us", 0, [], ended_by="kill", ended_s=10.0),
+                    _incarnation("peer-2-eu", "eu", 0, []),
+                    _incarnation("peer-3-asia", "asia", 1, [{"event": "state_loaded", "time": 40.0}], started_s=30.0)]
+    assert current_holders(20.0, incarnations, topology, but="peer-1-us.r1") == {"eu": 1}
+    assert current_holders(5.0, incarnations, topology, but="peer-1-us.r1") == {"us": 2, "eu": 1}
+    assert current_holders(45.0, incarnations, topology, but="peer-1-us.r1") == {"eu": 1, "asia": 1}
+    link = topology.link("us", "eu")
+    expected_s = 21_000_000 * 8 / (link.bandwidth_mbit_s * 1e6) + link.latency_ms / 1000
+    bound = nearest_donor_bound(21_000_000, "us", topology, current_holders(20.0, incarnations, topology,
+                                                                            but="peer-1-us.r1"))
+    assert bound == (pytest.approx(expected_s), "eu")
 
 
 def test_a_download_after_the_last_epoch_is_the_agreements_and_a_reload_while_training_counts():
