@@ -350,7 +350,12 @@ class MeasuredOptimizer(hivemind.Optimizer):
         logger.info("the swarm stepped to epoch %d while this peer loaded the state of epoch %d: catching up (its "
                     "parameters miss one step until the next state averaging round)", swarm_epoch, self.local_epoch)
         self.state_averager.local_epoch = swarm_epoch
-        self.tracker.report_local_progress(local_epoch=swarm_epoch, samples_accumulated=0)
+        with self.tracker.pause_updates():  # the tracker's view moves to the new epoch too, as at a step
+            self.tracker.update_epoch(new_epoch=swarm_epoch)
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = swarm_epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.state_sharing_priority = swarm_epoch
 
     def _wait_while_the_swarm_steps(self) -> None:
         """Before a download: while the swarm's gradient round is under way, wait until it has stepped.
