@@ -33,42 +33,48 @@ def _yes(value) -> str:
 def summary_table(baseline: dict | None, churn: dict | None) -> str:
     """One row per run: throughput, rejoins (median and worst against the bound) and the three checks."""
     lines = ["| run | churn (notices/trainer/emulated h) | notices, kills, restarts | swarm samples/s | vs baseline "
-             "| trainer time lost | rejoins | start to first epoch s (median, max) | worst ratio to bound "
+             "| trainer time lost | rejoins | start to first samples s (median, max) | worst ratio to bound "
+             "| start to first epoch s (median, max) | worst ratio to bound "
              "| epochs monotonic | checkpoints kept | parameters identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base_rate = (baseline or {}).get("measured", {}).get("swarm_samples_per_second")
     for name, result in (("baseline", baseline), ("churn", churn)):
         if result is None:
-            lines.append(f"| {name} | did not run | | | | | | | | | | |")
+            lines.append(f"| {name} | did not run | | | | | | | | | | | | |")
             continue
         m, done = result["measured"], [d for d in result["churn"]["done"] if d.get("result") == "done"]
         counts = ", ".join(str(sum(d["kind"] == kind for d in done)) for kind in ("notice", "kill",
                                                                                   "coordinator_restart"))
         rate = m.get("swarm_samples_per_second")
-        times = sorted(r["to_first_epoch_s"] for r in m["rejoins"] if r["to_first_epoch_s"] is not None)
-        ratios = [r["first_epoch_ratio"] for r in m["rejoins"] if r["first_epoch_ratio"] is not None]
+        columns = []
+        for time_key, ratio_key in (("to_contributing_s", "contributing_ratio"), ("to_first_epoch_s", "first_epoch_ratio")):
+            times = sorted(r[time_key] for r in m["rejoins"] if r.get(time_key) is not None)
+            ratios = [r[ratio_key] for r in m["rejoins"] if r.get(ratio_key) is not None]
+            columns.append(f"{_number(times[len(times) // 2] if times else None)}, "
+                           f"{_number(times[-1] if times else None)} | {_number(max(ratios) if ratios else None, 2)}")
         lines.append(
             f"| {name} | {result['churn']['rate_per_trainer_emulated_hour']:g} | {counts} | {_number(rate)} | "
             f"{_number(rate / base_rate, 2) if rate and base_rate else '-'} | "
             f"{_number(100 * m['interruption_fraction']) + '%' if m.get('interruption_fraction') is not None else '-'} | "
-            f"{len(m['rejoins'])} | "
-            f"{_number(times[len(times) // 2] if times else None)}, {_number(times[-1] if times else None)} | "
-            f"{_number(max(ratios) if ratios else None, 2)} | {_yes(m['epochs_monotonic'])} | "
+            f"{len(m['rejoins'])} | {' | '.join(columns)} | {_yes(m['epochs_monotonic'])} | "
             f"{_yes(m['checkpoints_kept'])} | {_yes(m['parameters']['identical'])} |")
     return "\n".join(lines)
 
 
 def rejoin_table(churn: dict | None) -> str:
-    lines = ["| rejoin | region | start to joined s | start to state loaded s | start to first epoch s | state MB "
-             "| donor region | download s | bound s (nearest donor) | download / bound | first epoch / bound "
-             "| downloads |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| rejoin | region | start to joined s | start to state loaded s | start to first samples s "
+             "| start to first epoch s | state MB | donor region | download s | bound s (nearest donor) "
+             "| download / bound | first samples / bound | first epoch / bound | downloads |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (churn or {}).get("measured", {}).get("rejoins", []):
         lines.append(f"| {r['name']} | {r['region']} | {_number(r.get('to_joined_s'))} | "
-                     f"{_number(r['to_state_loaded_s'])} | {_number(r['to_first_epoch_s'])} | "
+                     f"{_number(r['to_state_loaded_s'])} | {_number(r.get('to_contributing_s'))} | "
+                     f"{_number(r['to_first_epoch_s'])} | "
                      f"{_number(r['state_bytes'] / 1e6 if r['state_bytes'] else None)} | {r['donor_region'] or '-'} | "
                      f"{_number(r.get('download_s'))} | "
                      f"{_number(r['bound_s'], 2)} ({r['bound_donor_region'] or '-'}) | "
-                     f"{_number(r.get('download_ratio'), 2)} | {_number(r['first_epoch_ratio'], 2)} | "
+                     f"{_number(r.get('download_ratio'), 2)} | {_number(r.get('contributing_ratio'), 2)} | "
+                     f"{_number(r['first_epoch_ratio'], 2)} | "
                      f"{r.get('state_downloads', '-')} |")
     return "\n".join(lines)
 

@@ -305,6 +305,12 @@ class OptimizerConfig(_Strict):
         gt=0, description="A state donor still below this rate after 10 s is dropped for the next one; the last "
                           "one gets the state's bytes at this rate.")
     state_download_stall_s: float = Field(gt=0, description="A state donor that sends nothing this long is dropped.")
+    state_download_max_donors: int = Field(
+        3, ge=1, description="A state whose nearest current donor is in another region comes in stripes from up to "
+                             "this many donors of its epoch, in as many regions, at once; 1: always from one "
+                             "donor (DiLoCo always loads from one).")
+    state_download_stripe_min_mb: float = Field(
+        8.0, ge=0, description="Smaller states come from one donor (a striped download first asks for a header).")
     average_state_every: int = Field(1, ge=1, description="Average parameters and optimizer state every N epochs.")
 
     @model_validator(mode="before")

@@ -359,7 +359,9 @@ class Trainer:
             self.metrics.samples.inc(batch_size)
             self.progress.samples_total += batch_size
             if not met_the_swarm and optimizer.tracker.local_progress.samples_accumulated > 0:
-                met_the_swarm = True
+                met_the_swarm = True  # from here on its samples count toward the swarm's batch
+                self.events.write("contributing", peer_id=peer_id, epoch=optimizer.local_epoch,
+                                  samples=optimizer.tracker.local_progress.samples_accumulated)
                 self._meet_after_the_first_samples(dht, stop, optimizer)
 
             if optimizer.local_epoch != epoch:

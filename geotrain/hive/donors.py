@@ -199,6 +199,7 @@ class Attempt:
     received_bytes: int
     seconds: float
     state: tuple | None = None  # (metadata, tensors) when result is "ok"
+    stripes: dict[str, int] | None = None  # a striped download's bytes from each donor (geotrain.hive.stripes)
 
     @property
     def bytes_per_second(self) -> float:

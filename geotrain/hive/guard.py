@@ -41,6 +41,8 @@ from hivemind.proto import averaging_pb2
 from geotrain.hive.donors import (PROBATION_S, PROBE_TIMEOUT_S, STATE_BYTES_KEY, DownloadProgress, OwnEpoch,
                                   donor_labels, download_state, measure_donors, rank_donors)
 from geotrain.hive.metric_records import read_records
+from geotrain.hive.stripes import PartRequest, PartRequestError, StateSnapshots, download_striped, part_messages, \
+    stripe_donors
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ COUNTED = (
     ("contribution", "non-finite"), ("contribution", "norm"), ("contribution", "weight"),
     ("join_group", "not admitted"), ("join_group", "banned"), ("aggregate", "not admitted"), ("aggregate", "banned"),
     ("download_state", "not admitted"), ("download_state", "busy"), ("download_state", "non-finite state"),
+    ("download_state", "malformed part request"),
     ("step", "non-finite"), ("step", "norm"), ("microstep", "non-finite"),
     ("parameters", "non-finite after step"), ("parameters", "non-finite in loaded state"),
     ("parameters", "non-finite state average"),
@@ -232,6 +235,10 @@ class GuardedAveragerMixin:
     donor_stall_s = 15.0
     donor_probation_s = PROBATION_S
     donor_epoch_tolerance = 1
+    # a state of at least donor_stripe_min_bytes whose nearest current donor is in another region comes in
+    # stripes from up to donor_max_stripes donors of that epoch at once (geotrain.hive.stripes)
+    donor_max_stripes = 3
+    donor_stripe_min_bytes = 8_000_000
 
     _get_handle_name = classmethod(lambda cls, namespace, method_name: hivemind_handle_name(cls, namespace,
                                                                                            method_name))
@@ -274,22 +281,52 @@ class GuardedAveragerMixin:
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        reason = await self._guard_refusal(context.remote_id, "download_state")
-        if reason == "banned":
-            reason = None  # a peer whose gradients were refused may still catch up from us
-        limit = self.guard_config.max_concurrent_downloads if self.guard_config is not None else None
-        active = self.__dict__.get("_guard_downloads", 0)
-        if reason is None and limit is not None and active >= limit:
-            reason = "busy"
-        if reason is not None:
-            self._guard_refuse_request(context.remote_id, "download_state", reason)
+        if not await self._guard_download_admitted(context.remote_id):
             return  # an empty answer: hivemind's client goes on to the next donor
-        self.__dict__["_guard_downloads"] = active + 1
+        self.__dict__["_guard_downloads"] += 1
         try:
             async for response in super().rpc_download_state(request, context):
                 yield response
         finally:
             self.__dict__["_guard_downloads"] -= 1
+
+    async def rpc_download_state_part(self, request: averaging_pb2.DownloadData,
+                                      context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Some of the state's tensors, for a download in stripes from several donors (geotrain.hive.stripes):
+        the request's metadata names the download and the tensors; every part of one download comes from one
+        snapshot of the state. Checked as a whole download is."""
+        if not self.allow_state_sharing or not await self._guard_download_admitted(context.remote_id):
+            return
+        try:
+            part = PartRequest.from_message(request, self.serializer)
+        except PartRequestError as error:
+            self._guard_refuse_request(context.remote_id, "download_state", "malformed part request")
+            logger.warning("the malformed part request from %s: %s", context.remote_id, error)
+            return
+        self.__dict__["_guard_downloads"] += 1
+        try:
+            snapshots = self.__dict__.setdefault("_guard_snapshots", StateSnapshots(
+                self.guard_config.max_concurrent_downloads if self.guard_config is not None else 4))
+            snapshot = await snapshots.get(context.remote_id.to_base58(), part.download,
+                                           self._get_current_state_from_host_process)
+            for message in part_messages(snapshot, part, self.state_compression, self.serializer):
+                yield message
+        finally:
+            self.__dict__["_guard_downloads"] -= 1
+
+    async def _guard_download_admitted(self, peer_id) -> bool:
+        """Whether to serve a state download now (a whole state or a part): the caller is admitted and fewer
+        than ``guard.max_concurrent_downloads`` are under way; refused and counted otherwise."""
+        reason = await self._guard_refusal(peer_id, "download_state")
+        if reason == "banned":
+            reason = None  # a peer whose gradients were refused may still catch up from us
+        limit = self.guard_config.max_concurrent_downloads if self.guard_config is not None else None
+        active = self.__dict__.setdefault("_guard_downloads", 0)
+        if reason is None and limit is not None and active >= limit:
+            reason = "busy"
+        if reason is not None:
+            self._guard_refuse_request(peer_id, "download_state", reason)
+        return reason is None
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -364,11 +401,14 @@ class GuardedAveragerMixin:
     def state_download_bound_s(self, donors: int = 3) -> float:
         """How long a download may take: this peer's state bytes at the minimum rate, plus, for each of a
         few donors, a stall and a probation (the size is this peer's own state, an estimate of the donor's)."""
+        return self._state_bytes_estimate() / self.donor_min_rate_bytes_s + \
+            donors * (self.donor_stall_s + self.donor_probation_s) + PROBE_TIMEOUT_S
+
+    def _state_bytes_estimate(self) -> int:
+        """This peer's state's bytes, as an estimate of a donor's: parameters, two optimizer statistics (Adam's),
+        and DiLoCo's outer state: four times what it averages."""
         averaged = list(getattr(self, "_averaged_tensors", ()))
-        # parameters, two optimizer statistics (Adam's), and DiLoCo's outer state: four times what it averages
-        state_bytes = 4 * sum(t.numel() * t.element_size() for t in averaged)
-        return state_bytes / self.donor_min_rate_bytes_s + donors * (self.donor_stall_s + self.donor_probation_s) + \
-            PROBE_TIMEOUT_S
+        return 4 * sum(t.numel() * t.element_size() for t in averaged)
 
     async def _load_state_from_peers(self, future, timeout=None):
         try:
@@ -402,6 +442,16 @@ class GuardedAveragerMixin:
             labels = donor_labels(records)
         donors = rank_donors(await measure_donors(candidates, labels), self.donor_region, self.donor_epoch_tolerance,
                              min_epoch=None if report is None else report.own_epoch.first_new_epoch())
+        stripe = stripe_donors(donors, self.donor_region, self.donor_max_stripes) \
+            if self._state_bytes_estimate() >= self.donor_stripe_min_bytes else []
+        if stripe:
+            attempt = await download_striped(self, stripe, stall_s=self.donor_stall_s,
+                                             progress=None if report is None else report.downloads,
+                                             refusal=self._refuse_non_finite_state)
+            if attempt is not None:
+                self._report_download_attempt(attempt)
+                return attempt
+            logger.info("downloading the whole state from one donor instead")
         return await download_state(self, donors, stall_s=self.donor_stall_s,
                                     min_rate_bytes_s=self.donor_min_rate_bytes_s, probation_s=self.donor_probation_s,
                                     progress=None if report is None else report.downloads,
@@ -433,7 +483,8 @@ class GuardedAveragerMixin:
         report.event("state_download", peer_id=self.peer_id.to_base58(), donor=donor.peer_id,
                      donor_region=donor.region, donor_epoch=donor.epoch,
                      rtt_ms=None if donor.rtt_s is None else round(1000 * donor.rtt_s, 1), result=attempt.result,
-                     bytes=attempt.received_bytes, seconds=round(attempt.seconds, 3))
+                     bytes=attempt.received_bytes, seconds=round(attempt.seconds, 3),
+                     **({} if attempt.stripes is None else {"stripes": attempt.stripes}))
 
     # --- not joining a group that a banned peer leads ---------------------------------------------------
     @property

@@ -461,6 +461,9 @@ def guarded(averager_class: type, admission: Admission, report: GuardReport, con
                  "donor_region": config.metrics.region, "donor_run_id": config.swarm.run_id,
                  "donor_min_rate_bytes_s": opt.state_download_min_mbit_s * 1e6 / 8,
                  "donor_stall_s": opt.state_download_stall_s,
+                 # DiLoCo's checks of a downloaded state (the majority, the round's outer step) judge one donor's
+                 "donor_max_stripes": 1 if opt.mode == "diloco" else opt.state_download_max_donors,
+                 "donor_stripe_min_bytes": opt.state_download_stripe_min_mb * 1e6,
                  # a DiLoCo state one round old is a different model (sync mode: hivemind's catch-up covers one;
                  # asking only donors of the newest epoch first sent rejoins in the churn soak across oceans
                  # rather than to the coordinator next to them, one epoch behind: 39 s instead of 0.2 s)

@@ -589,13 +589,14 @@ def final_parameters(incarnations: list[dict]) -> dict:
 
 
 def rejoin_record(incarnation: dict, topology: Topology, incarnations: list[dict] | None = None) -> dict:
-    """Seconds from a rejoined process's start to its state load and first contributed epoch, and the bound:
+    """Seconds from a rejoined process's start to its state load, to its first samples counted toward the
+    swarm's batch (``contributing`` event) and to the end of the first epoch it contributed to, and the bound:
     the transfer from the nearest region that held the swarm's current state when the download began
     (:func:`current_holders`, given ``incarnations``).
 
     The path in parts: the process's start to joining the DHT (``to_joined_s``), the state's download
-    itself (``download_s``, against the bound: ``download_ratio``), and the rest (the wait for the
-    swarm's round to end). ``state_downloads``: whole states this process downloaded while it trained (more
+    itself (``download_s``, against the bound: ``download_ratio``), the first micro-batch, and the rest (the
+    swarm's round, which the trainer now works on, to its end). ``state_downloads``: whole states this process downloaded while it trained (more
     than one: it fell behind after its load and loaded again; the end-of-run agreement's is not counted).
     """
     events = incarnation["events"]
@@ -603,6 +604,7 @@ def rejoin_record(incarnation: dict, topology: Topology, incarnations: list[dict
     joined = next((e for e in events if e["event"] == "joined"), None)
     loaded = next((e for e in events if e["event"] == "state_loaded"), None)
     first = next((e for e in events if e["event"] == "epoch" and e.get("samples", 0) > 0), None)
+    contributing = next((e for e in events if e["event"] == "contributing"), None)
     downloads = [e for e in events if e["event"] == "state_download" and e.get("result") == "ok"]
     download = downloads[0] if downloads else None
     finished = next((e for e in events if e["event"] == "finished" and not e.get("stopped_by_request")), None)
@@ -619,13 +621,15 @@ def rejoin_record(incarnation: dict, topology: Topology, incarnations: list[dict
         "name": incarnation["name"], "region": incarnation["region"],
         "to_joined_s": joined["time"] - start_s if joined else None,
         "to_state_loaded_s": loaded["time"] - start_s if loaded else None,
+        "to_contributing_s": contributing["time"] - start_s if contributing else None,
         "to_first_epoch_s": first["time"] - start_s if first else None,
         "download_s": download.get("seconds") if download else None,
         "state_downloads": len(downloads),
         "state_bytes": state_bytes, "donor_region": (loaded or {}).get("donor_region"),
         "bound_s": bound[0] if bound else None, "bound_donor_region": bound[1] if bound else None,
     }
-    for key, ratio_key in (("to_state_loaded_s", "state_loaded_ratio"), ("to_first_epoch_s", "first_epoch_ratio"),
+    for key, ratio_key in (("to_state_loaded_s", "state_loaded_ratio"), ("to_contributing_s", "contributing_ratio"),
+                           ("to_first_epoch_s", "first_epoch_ratio"),
                            ("download_s", "download_ratio")):
         record[ratio_key] = record[key] / record["bound_s"] if record[key] is not None and record["bound_s"] else None
     return record
@@ -656,7 +660,8 @@ def throughput(incarnations: list[dict], warmup_epochs: int) -> dict:
 
 def trainer_seconds_lost(incarnations: list[dict]) -> float:
     """Seconds that slots spent without a contributing trainer: from the bench's signal to the old process to the
-    first epoch the replacement contributed to (to the run's last epoch when it never did)."""
+    replacement's first samples counted toward the swarm's batch (its ``contributing`` event; the end of the
+    first epoch it contributed to for runs before that event; the run's last epoch when it never did)."""
     epochs = [e["time"] for i in incarnations for e in i["events"] if e["event"] == "epoch"]
     end_s = max(epochs, default=0.0)
     by_name = {(i["slot"], i["index"]): i for i in incarnations}
@@ -665,8 +670,10 @@ def trainer_seconds_lost(incarnations: list[dict]) -> float:
         previous = by_name.get((incarnation["slot"], incarnation["index"] - 1))
         if incarnation["index"] == 0 or previous is None or previous.get("ended_unix_s") is None:
             continue
-        first = next((e["time"] for e in incarnation["events"] if e["event"] == "epoch" and e.get("samples", 0) > 0),
-                     end_s)
+        first = next((e["time"] for e in incarnation["events"] if e["event"] == "contributing"), None)
+        if first is None:
+            first = next((e["time"] for e in incarnation["events"] if e["event"] == "epoch" and e.get("samples", 0) > 0),
+                         end_s)
         lost_s += max(0.0, first - previous["ended_unix_s"])
     return lost_s
 
@@ -790,16 +797,18 @@ def format_soak(result: dict) -> str:
             lines.append(f"trainer time lost to churn: {_number(m['trainer_seconds_lost'])} s, "
                          f"{100 * m['interruption_fraction']:.1f}% of the trainers' time (the interruption rate)")
     if m["rejoins"]:
-        lines.append(f"{'rejoin':<16} {'region':<7} {'joined s':>8} {'to state s':>10} {'to epoch s':>10} "
-                     f"{'state MB':>9} {'donor':<7} {'download s':>10} {'bound s':>8} {'from':<6} "
-                     f"{'download/bound':>14} {'epoch/bound':>11} {'downloads':>9}")
+        lines.append(f"{'rejoin':<16} {'region':<7} {'joined s':>8} {'to state s':>10} {'to samples s':>12} "
+                     f"{'to epoch s':>10} {'state MB':>9} {'donor':<7} {'download s':>10} {'bound s':>8} {'from':<6} "
+                     f"{'download/bound':>14} {'samples/bound':>13} {'epoch/bound':>11} {'downloads':>9}")
         for r in m["rejoins"]:
             lines.append(f"{r['name']:<16} {r['region']:<7} {_number(r.get('to_joined_s')):>8} "
-                         f"{_number(r['to_state_loaded_s']):>10} {_number(r['to_first_epoch_s']):>10} "
+                         f"{_number(r['to_state_loaded_s']):>10} {_number(r.get('to_contributing_s')):>12} "
+                         f"{_number(r['to_first_epoch_s']):>10} "
                          f"{_number(r['state_bytes'] / 1e6 if r['state_bytes'] else None):>9} "
                          f"{r['donor_region'] or '-':<7} {_number(r.get('download_s')):>10} "
                          f"{_number(r['bound_s'], 2):>8} {r['bound_donor_region'] or '-':<6} "
-                         f"{_number(r.get('download_ratio'), 2):>14} {_number(r['first_epoch_ratio'], 2):>11} "
+                         f"{_number(r.get('download_ratio'), 2):>14} {_number(r.get('contributing_ratio'), 2):>13} "
+                         f"{_number(r['first_epoch_ratio'], 2):>11} "
                          f"{r.get('state_downloads', '-'):>9}")
     restored = m["restored_checkpoint"]
     kept = {None: "no restart", True: "yes", False: "NO"}[m["checkpoints_kept"]]

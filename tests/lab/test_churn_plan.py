@@ -116,6 +116,7 @@ def _swarm(final_shas=("a" * 64, "a" * 64), rejoin_training_epoch=3) -> list[dic
                  {"event": "state_loaded", "time": 38.5, "epoch": rejoin_training_epoch, "state_epoch": 3,
                   "donor_region": "us"},
                  {"event": "training", "time": 38.6, "epoch": rejoin_training_epoch},
+                 {"event": "contributing", "time": 39.5, "epoch": rejoin_training_epoch, "samples": 64},
                  {"event": "epoch", "time": 50.0, "epoch": 5, "samples": 0},
                  {"event": "epoch", "time": 55.0, "epoch": 6, "samples": 512},
                  _finished(62, 6, final_shas[1])]
@@ -134,6 +135,7 @@ def test_a_rejoin_is_timed_to_its_first_contributed_epoch_and_bounded_by_the_nea
     measured = _measure(_swarm())
     [rejoin] = measured["rejoins"]
     assert rejoin["to_state_loaded_s"] == pytest.approx(8.5)
+    assert rejoin["to_contributing_s"] == pytest.approx(9.5)  # its first samples counted toward the swarm's
     assert rejoin["to_first_epoch_s"] == pytest.approx(25.0)  # the epoch with samples, not the empty one
     topology = _plan().topology
     link = topology.link("eu", "us")  # us holds a trainer and the coordinator; asia and aus have slower links
@@ -141,6 +143,7 @@ def test_a_rejoin_is_timed_to_its_first_contributed_epoch_and_bounded_by_the_nea
     assert nearest_donor_bound(21_000_000, "eu", topology) == (pytest.approx(expected_s), "us")
     assert rejoin["bound_s"] == pytest.approx(expected_s)
     assert rejoin["first_epoch_ratio"] == pytest.approx(25.0 / expected_s)
+    assert rejoin["contributing_ratio"] == pytest.approx(9.5 / expected_s)
     assert rejoin["download_s"] == 8.0 and rejoin["download_ratio"] == pytest.approx(8.0 / expected_s)
     assert rejoin["to_joined_s"] == pytest.approx(2.0) and rejoin["state_downloads"] == 1
     assert measured["epochs_monotonic"] and measured["parameters"]["identical"]
@@ -240,11 +243,14 @@ def test_an_incarnation_is_reported_without_its_process():
     json.dumps(data)
 
 
-def test_the_trainer_time_lost_runs_from_the_notice_to_the_replacements_first_contributed_epoch():
+def test_the_trainer_time_lost_runs_from_the_notice_to_the_replacements_first_counted_samples():
     incarnations = _swarm()
     incarnations[1]["ended_unix_s"] = 24.0  # the bench's SIGTERM to peer-2-eu
     measured = _measure(incarnations)
-    assert measured["trainer_seconds_lost"] == pytest.approx(55.0 - 24.0)  # its rejoin first contributed at t=55
-    assert measured["interruption_fraction"] == pytest.approx(31.0 / (2 * 45.0))  # 2 slots over the 45 s measured
-    del incarnations[2]["events"][-2:]  # a replacement that never contributed: lost until the run's last epoch
+    assert measured["trainer_seconds_lost"] == pytest.approx(39.5 - 24.0)  # its rejoin contributed from t=39.5
+    assert measured["interruption_fraction"] == pytest.approx(15.5 / (2 * 45.0))  # 2 slots over the 45 s measured
+    events = incarnations[2]["events"]
+    events[:] = [e for e in events if e["event"] != "contributing"]  # a run from before that event
+    assert _measure(incarnations)["trainer_seconds_lost"] == pytest.approx(55.0 - 24.0)  # its first epoch's end
+    del events[-2:]  # a replacement that never contributed: lost until the run's last epoch
     assert _measure(incarnations)["trainer_seconds_lost"] == pytest.approx(60.0 - 24.0)

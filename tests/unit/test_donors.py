@@ -9,23 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from types import SimpleNamespace
 from typing import AsyncIterator
 
-import hivemind
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from geotrain.config import GuardConfig, load_config
+from geotrain.config import load_config
 from geotrain.events import read_events
 from geotrain.hive.donors import Donor, donor_labels, probe_rtt_s, rank_donors
-from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
+from geotrain.hive.guard import hivemind_handle_name
 from geotrain.hive.leave import stop_offering_state
 from geotrain.hive.metric_records import MetricRecord, PeerRecord
+from donor_swarm import CHUNK, GoodDonor, Swarm
 from waiting import wait_until
 
 
@@ -113,9 +112,6 @@ def test_download_rate_and_stall_come_from_the_network_profile():
 
 
 # --- the watch, on real averagers ---------------------------------------------------------------------------
-CHUNK = 2**16
-
-
 class StallingDonor(DecentralizedAverager):
     """Announces its state and then sends nothing."""
 
@@ -139,66 +135,11 @@ class TricklingDonor(DecentralizedAverager):
             yield message
 
 
-class GoodDonor(GuardedAveragerMixin, DecentralizedAverager):
-    guard_config = GuardConfig()
-
-
-class Downloader(GuardedAveragerMixin, DecentralizedAverager):
-    guard_config = GuardConfig()
-    donor_stall_s = 2.0
-    donor_probation_s = 1.5
-    donor_min_rate_bytes_s = 1e6  # a tricker of 64 KiB per 0.5 s is far below
-
-
-class Swarm:
-    """One DHT node (and peer) per averager, all on loopback; everything is shut down at the end."""
-
-    def __init__(self):
-        self.first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        self.nodes = [self.first]
-        self.averagers = []
-
-    def averager(self, cls, value: float, priority: float, **kwargs):
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                           initial_peers=[str(a) for a in self.first.get_visible_maddrs()])
-        self.nodes.append(dht)
-        averager = cls([torch.full((4 * CHUNK,), value)], dht=dht, prefix="donors", start=True, **kwargs)
-        averager.state_sharing_priority = priority
-        self.averagers.append(averager)
-        return averager
-
-    def downloader(self, *donors, events_path=None, downloader_class=None):
-        """After ``donors`` (class, value, priority) announce their states, an averager that downloads (with
-        geotrain's donor choice) and its report."""
-        made = [self.averager(cls, value, priority=priority) for cls, value, priority in donors]
-        report = GuardReport(events_path)
-        downloader_class = type("TestDownloader", (downloader_class or Downloader,), {"guard_report": report})
-        downloader = self.averager(downloader_class, 0.0, priority=0.0, allow_state_sharing=False)
-        _wait_for_donors(self.first, len(donors))
-        return made, downloader, report
-
-    def shutdown(self):
-        for averager in self.averagers:
-            averager.shutdown()
-        for node in self.nodes:
-            node.shutdown()
-
-
 @pytest.fixture
 def swarm():
     swarm = Swarm()
     yield swarm
     swarm.shutdown()
-
-
-def _wait_for_donors(dht, count: int) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = dht.get("donors.all_averagers", latest=True)
-        if found is not None and len([v for v in found.value.values() if v.value is not None]) >= count:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the donors did not announce themselves")
 
 
 @pytest.mark.parametrize("bad_donor, dropped_as", [(StallingDonor, "stalled"), (TricklingDonor, "slow")])
