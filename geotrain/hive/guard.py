@@ -429,17 +429,17 @@ class GuardedAveragerMixin:
         banned = report.bans.active() if report is not None else set()
         loop = asyncio.get_running_loop()
         donors_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        # both DHT reads at once: across oceans each takes a few round trips
+        reading_records = loop.run_in_executor(None, read_records, self.dht, self.donor_run_id) \
+            if self.donor_run_id is not None else None
         announced = await loop.run_in_executor(None, _announced_donors, self.dht, donors_key)
+        labels = donor_labels(await reading_records) if reading_records is not None else {}
         candidates = announced if allowed is None else {name: announced.get(name, 0.0) for name in allowed}
         own = self.peer_id.to_base58()
         candidates = {name: priority for name, priority in candidates.items() if name not in banned and name != own}
         if not candidates:
             logger.info("no peer offers its state%s", "" if allowed is None else f" among {sorted(allowed)}")
             return None
-        labels = {}
-        if self.donor_run_id is not None:
-            records = await loop.run_in_executor(None, read_records, self.dht, self.donor_run_id)
-            labels = donor_labels(records)
         donors = rank_donors(await measure_donors(candidates, labels), self.donor_region, self.donor_epoch_tolerance,
                              min_epoch=None if report is None else report.own_epoch.first_new_epoch())
         stripe = stripe_donors(donors, self.donor_region, self.donor_max_stripes) \
