@@ -34,24 +34,31 @@ def summary_table(baseline: dict | None, churn: dict | None) -> str:
     """One row per run: throughput, rejoins (median and worst against the bound) and the three checks."""
     lines = ["| run | churn (notices/trainer/emulated h) | notices, kills, restarts | swarm samples/s | vs baseline "
              "| trainer time lost | rejoins | start to first samples s (median, max) | worst ratio to bound "
+             "| joined to first samples: worst ratio to bound "
              "| start to first epoch s (median, max) | worst ratio to bound "
              "| epochs monotonic | checkpoints kept | parameters identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base_rate = (baseline or {}).get("measured", {}).get("swarm_samples_per_second")
     for name, result in (("baseline", baseline), ("churn", churn)):
         if result is None:
-            lines.append(f"| {name} | did not run | | | | | | | | | | | | |")
+            lines.append(f"| {name} | did not run | | | | | | | | | | | | | |")
             continue
         m, done = result["measured"], [d for d in result["churn"]["done"] if d.get("result") == "done"]
         counts = ", ".join(str(sum(d["kind"] == kind for d in done)) for kind in ("notice", "kill",
                                                                                   "coordinator_restart"))
         rate = m.get("swarm_samples_per_second")
         columns = []
+
+        def worst(ratio_key: str) -> str:
+            ratios = [r[ratio_key] for r in m["rejoins"] if r.get(ratio_key) is not None]
+            return _number(max(ratios) if ratios else None, 2)
+
         for time_key, ratio_key in (("to_contributing_s", "contributing_ratio"), ("to_first_epoch_s", "first_epoch_ratio")):
             times = sorted(r[time_key] for r in m["rejoins"] if r.get(time_key) is not None)
-            ratios = [r[ratio_key] for r in m["rejoins"] if r.get(ratio_key) is not None]
             columns.append(f"{_number(times[len(times) // 2] if times else None)}, "
-                           f"{_number(times[-1] if times else None)} | {_number(max(ratios) if ratios else None, 2)}")
+                           f"{_number(times[-1] if times else None)} | {worst(ratio_key)}")
+            if ratio_key == "contributing_ratio":
+                columns.append(worst("joined_contributing_ratio"))
         lines.append(
             f"| {name} | {result['churn']['rate_per_trainer_emulated_hour']:g} | {counts} | {_number(rate)} | "
             f"{_number(rate / base_rate, 2) if rate and base_rate else '-'} | "
@@ -64,8 +71,8 @@ def summary_table(baseline: dict | None, churn: dict | None) -> str:
 def rejoin_table(churn: dict | None) -> str:
     lines = ["| rejoin | region | start to joined s | start to state loaded s | start to first samples s "
              "| start to first epoch s | state MB | donor region | download s | bound s (nearest donor) "
-             "| download / bound | first samples / bound | first epoch / bound | downloads |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| download / bound | first samples / bound | from joined | first epoch / bound | downloads |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (churn or {}).get("measured", {}).get("rejoins", []):
         lines.append(f"| {r['name']} | {r['region']} | {_number(r.get('to_joined_s'))} | "
                      f"{_number(r['to_state_loaded_s'])} | {_number(r.get('to_contributing_s'))} | "
@@ -74,6 +81,7 @@ def rejoin_table(churn: dict | None) -> str:
                      f"{_number(r.get('download_s'))} | "
                      f"{_number(r['bound_s'], 2)} ({r['bound_donor_region'] or '-'}) | "
                      f"{_number(r.get('download_ratio'), 2)} | {_number(r.get('contributing_ratio'), 2)} | "
+                     f"{_number(r.get('joined_contributing_ratio'), 2)} | "
                      f"{_number(r['first_epoch_ratio'], 2)} | "
                      f"{r.get('state_downloads', '-')} |")
     return "\n".join(lines)

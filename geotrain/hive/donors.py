@@ -9,7 +9,8 @@ in :mod:`geotrain.hive.guard`) download with :func:`download_state` instead:
    that loaded a state one epoch old catches up with the swarm's epoch; never one at this peer's own epoch
    when another holds a newer one), then those in this peer's region (the ``region`` label of their signed
    metric record), then by measured round trip (one TCP handshake with the address in that record, all donors
-   probed at once; round trips within 5 ms tie), then by announced priority (the coordinator's is half an
+   probed at once; round trips within 5 ms tie; a donor that does not answer the probe comes after those that
+   do), then by announced priority (the coordinator's is half an
    epoch above the trainers', so it wins a tie, and only a tie: a durable VM that does not train has the spare
    CPU to serve). Region and address are what each peer says of itself: a peer that lies about them can reorder donors (bounded by
    the rules below), never change what is downloaded (that is checked: non-finite, epoch, DiLoCo bounds).
@@ -72,6 +73,7 @@ def rank_donors(donors: list[Donor], own_region: str | None, epoch_tolerance: in
     if not donors:
         return []
     newest = max(donor.epoch for donor in donors)
+    anyone_answered = any(donor.rtt_s is not None for donor in donors)
     current_from = newest - epoch_tolerance
     if min_epoch is not None and newest >= min_epoch:
         current_from = max(current_from, min_epoch)
@@ -81,7 +83,9 @@ def rank_donors(donors: list[Donor], own_region: str | None, epoch_tolerance: in
         # round trips within RTT_RESOLUTION_S of each other tie (one data centre): the priority decides
         rtt = math.ceil(donor.rtt_s / RTT_RESOLUTION_S) if donor.rtt_s is not None else math.inf
         if donor.epoch >= current_from:
-            return (0, far, rtt, -donor.priority, donor.peer_id)
+            # a donor whose address did not answer the probe (a SIGKILLed peer's record lingers until it
+            # expires) comes after every one that did, however near it says it is
+            return (0, donor.rtt_s is None and anyone_answered, far, rtt, -donor.priority, donor.peer_id)
         return (1, -donor.priority, far, rtt, donor.peer_id)  # behind: the newest of them first
 
     return sorted(donors, key=key)

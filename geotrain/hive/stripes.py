@@ -133,21 +133,29 @@ def plan_stripes(tensor_bytes: list[int], count: int) -> list[tuple[int, int]]:
 
 def stripe_donors(donors: list[Donor], own_region: str | None, max_donors: int) -> list[Donor]:
     """The donors to stripe over, given donors in the order to ask them (geotrain.hive.donors.rank_donors):
-    the first and those after it that hold its epoch, one per region (donors in one region share its link to
-    this peer; a donor of unknown region counts as a region of its own), at most ``max_donors``. None at all
-    (download from one) when fewer than two qualify, or when the first is in this peer's own region: its link
-    is the fast one."""
+    donors of one epoch, one per region (donors in one region share its link to this peer; a donor of unknown
+    region counts as a region of its own), at most ``max_donors``, in their order. The epoch is the one, of the
+    first donor's or a newer one, that the most regions hold (the newest of a tie): right after the swarm's
+    step, the nearest donor may not have declared it yet while the others have. Donors that did not answer the
+    probe are left out when others did. None at all (download from one) when fewer than two qualify, or when
+    the first is in this peer's own region: its link is the fast one."""
+    if any(donor.rtt_s is not None for donor in donors):
+        donors = [donor for donor in donors if donor.rtt_s is not None]
     if max_donors < 2 or not donors or (own_region is not None and donors[0].region == own_region):
         return []
-    chosen, regions = [], set()
-    for donor in donors:
-        if donor.epoch != donors[0].epoch or (donor.region is not None and donor.region in regions):
-            continue
-        chosen.append(donor)
-        regions.add(donor.region)
-        if len(chosen) == max_donors:
-            break
-    return chosen if len(chosen) >= 2 else []
+    best: list[Donor] = []
+    for epoch in sorted({donor.epoch for donor in donors if donor.epoch >= donors[0].epoch}, reverse=True):
+        chosen, regions = [], set()
+        for donor in donors:
+            if donor.epoch != epoch or (donor.region is not None and donor.region in regions):
+                continue
+            chosen.append(donor)
+            regions.add(donor.region)
+            if len(chosen) == max_donors:
+                break
+        if len(chosen) > len(best):
+            best = chosen
+    return best if len(best) >= 2 else []
 
 
 class StripeFailed(Exception):

@@ -596,8 +596,9 @@ def rejoin_record(incarnation: dict, topology: Topology, incarnations: list[dict
 
     The path in parts: the process's start to joining the DHT (``to_joined_s``), the state's download
     itself (``download_s``, against the bound: ``download_ratio``), the first micro-batch, and the rest (the
-    swarm's round, which the trainer now works on, to its end). ``state_downloads``: whole states this process downloaded while it trained (more
-    than one: it fell behind after its load and loaded again; the end-of-run agreement's is not counted).
+    swarm's round, which the trainer now works on, to its end); ``joined_to_contributing_s``: from joining the
+    DHT to the first samples. ``state_downloads``: whole states this process downloaded while it trained
+    (more than one: it fell behind after its load and loaded again; the end-of-run agreement's is not counted).
     """
     events = incarnation["events"]
     start_s = incarnation["started_unix_s"]
@@ -623,12 +624,16 @@ def rejoin_record(incarnation: dict, topology: Topology, incarnations: list[dict
         "to_state_loaded_s": loaded["time"] - start_s if loaded else None,
         "to_contributing_s": contributing["time"] - start_s if contributing else None,
         "to_first_epoch_s": first["time"] - start_s if first else None,
+        # from the DHT join: what the swarm waits for once the peer is there (the process's start, Python's
+        # imports and the DHT's bootstrap, does not shrink with the lab's time scale)
+        "joined_to_contributing_s": contributing["time"] - joined["time"] if contributing and joined else None,
         "download_s": download.get("seconds") if download else None,
         "state_downloads": len(downloads),
         "state_bytes": state_bytes, "donor_region": (loaded or {}).get("donor_region"),
         "bound_s": bound[0] if bound else None, "bound_donor_region": bound[1] if bound else None,
     }
     for key, ratio_key in (("to_state_loaded_s", "state_loaded_ratio"), ("to_contributing_s", "contributing_ratio"),
+                           ("joined_to_contributing_s", "joined_contributing_ratio"),
                            ("to_first_epoch_s", "first_epoch_ratio"),
                            ("download_s", "download_ratio")):
         record[ratio_key] = record[key] / record["bound_s"] if record[key] is not None and record["bound_s"] else None
@@ -799,7 +804,8 @@ def format_soak(result: dict) -> str:
     if m["rejoins"]:
         lines.append(f"{'rejoin':<16} {'region':<7} {'joined s':>8} {'to state s':>10} {'to samples s':>12} "
                      f"{'to epoch s':>10} {'state MB':>9} {'donor':<7} {'download s':>10} {'bound s':>8} {'from':<6} "
-                     f"{'download/bound':>14} {'samples/bound':>13} {'epoch/bound':>11} {'downloads':>9}")
+                     f"{'download/bound':>14} {'samples/bound':>13} {'from joined':>11} {'epoch/bound':>11} "
+                     f"{'downloads':>9}")
         for r in m["rejoins"]:
             lines.append(f"{r['name']:<16} {r['region']:<7} {_number(r.get('to_joined_s')):>8} "
                          f"{_number(r['to_state_loaded_s']):>10} {_number(r.get('to_contributing_s')):>12} "
@@ -808,6 +814,7 @@ def format_soak(result: dict) -> str:
                          f"{r['donor_region'] or '-':<7} {_number(r.get('download_s')):>10} "
                          f"{_number(r['bound_s'], 2):>8} {r['bound_donor_region'] or '-':<6} "
                          f"{_number(r.get('download_ratio'), 2):>14} {_number(r.get('contributing_ratio'), 2):>13} "
+                         f"{_number(r.get('joined_contributing_ratio'), 2):>11} "
                          f"{_number(r['first_epoch_ratio'], 2):>11} "
                          f"{r.get('state_downloads', '-'):>9}")
     restored = m["restored_checkpoint"]

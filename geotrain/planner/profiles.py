@@ -26,7 +26,6 @@ or ``--profiles-dir``). A user profile with the name of a shipped one replaces i
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import asdict, dataclass, field

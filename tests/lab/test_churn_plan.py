@@ -144,6 +144,7 @@ def test_a_rejoin_is_timed_to_its_first_contributed_epoch_and_bounded_by_the_nea
     assert rejoin["bound_s"] == pytest.approx(expected_s)
     assert rejoin["first_epoch_ratio"] == pytest.approx(25.0 / expected_s)
     assert rejoin["contributing_ratio"] == pytest.approx(9.5 / expected_s)
+    assert rejoin["joined_contributing_ratio"] == pytest.approx((9.5 - 2.0) / expected_s)  # joined 2 s in
     assert rejoin["download_s"] == 8.0 and rejoin["download_ratio"] == pytest.approx(8.0 / expected_s)
     assert rejoin["to_joined_s"] == pytest.approx(2.0) and rejoin["state_downloads"] == 1
     assert measured["epochs_monotonic"] and measured["parameters"]["identical"]

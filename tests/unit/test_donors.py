@@ -39,6 +39,15 @@ def test_same_region_first_then_round_trip_then_priority():
     assert _ids(rank_donors(donors, "aus")) == ["near", "far-fast", "far-slow", "unknown"]
 
 
+def test_a_donor_whose_address_does_not_answer_comes_after_those_that_do():
+    # a SIGKILLed trainer's donor and metric records outlive it: same region, but nothing answers there
+    donors = [Donor("near-killed", 7, "aus", None), Donor("far", 7, "us", 0.300)]
+    assert _ids(rank_donors(donors, "aus")) == ["far", "near-killed"]
+    # no probe answered at all (no addresses known): region and priority decide, as before
+    unprobed = [Donor("far", 7, "us"), Donor("near", 7, "aus")]
+    assert _ids(rank_donors(unprobed, "aus")) == ["near", "far"]
+
+
 def test_the_coordinator_wins_a_tie_only():
     coordinator, trainer = Donor("coordinator", 7.5, "us", 0.0104), Donor("trainer", 7, "us", 0.0101)
     assert _ids(rank_donors([trainer, coordinator], "us")) == ["coordinator", "trainer"]  # 0.3 ms is noise

@@ -52,6 +52,23 @@ def test_stripes_come_from_donors_of_the_first_ones_epoch_one_per_region_and_onl
         "two donors in one region share its link"
 
 
+def test_stripes_take_the_epoch_most_regions_hold_and_leave_out_donors_that_did_not_answer():
+    # right after the swarm's step: the nearest donor still declares the epoch before, two farther ones the new
+    near_behind = Donor("us-not-yet", 6, "us", 0.020)
+    stepped = [Donor("asia", 7, "asia", 0.060), Donor("aus", 7, "aus", 0.090)]
+    assert stripe_donors([near_behind, *stepped], "eu", 3) == stepped
+    assert stripe_donors([near_behind, stepped[0]], "eu", 3) == [], "parts of two epochs are no state"
+    also_behind = Donor("aus-not-yet", 6, "aus", 0.090)
+    assert stripe_donors([near_behind, also_behind, *stepped], "eu", 3) == stepped, "a tie: the newer epoch"
+    older = Donor("older", 5, "asia", 0.010)
+    assert stripe_donors([near_behind, older, Donor("aus-6", 6, "aus", 0.09)], "eu", 3) == \
+        [near_behind, Donor("aus-6", 6, "aus", 0.09)], "never an epoch older than the first donor's"
+    # a SIGKILLed peer's record lingers: its address does not answer, and it is no stripe donor
+    dead = Donor("eu-killed", 7, "eu", None)
+    assert stripe_donors([*stepped, dead], "eu", 3) == stepped
+    assert stripe_donors([dead, *stepped], "eu", 3) == stepped, "a silent same-region donor is no fast link"
+
+
 def test_a_part_request_that_names_no_download_or_range_is_refused_with_the_reason():
     serializer = MSGPackSerializer
     good = PartRequest("d1", 2, 5)
