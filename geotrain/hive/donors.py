@@ -204,6 +204,8 @@ class Attempt:
     seconds: float
     state: tuple | None = None  # (metadata, tensors) when result is "ok"
     stripes: dict[str, int] | None = None  # a striped download's bytes from each donor (geotrain.hive.stripes)
+    state_bytes: int | None = None  # the state's size, when it differs from the bytes received (stripes that two
+    # donors sent at once count twice in received_bytes)
 
     @property
     def bytes_per_second(self) -> float:

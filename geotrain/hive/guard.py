@@ -484,7 +484,8 @@ class GuardedAveragerMixin:
                      donor_region=donor.region, donor_epoch=donor.epoch,
                      rtt_ms=None if donor.rtt_s is None else round(1000 * donor.rtt_s, 1), result=attempt.result,
                      bytes=attempt.received_bytes, seconds=round(attempt.seconds, 3),
-                     **({} if attempt.stripes is None else {"stripes": attempt.stripes}))
+                     **({} if attempt.stripes is None else {"stripes": attempt.stripes}),
+                     **({} if attempt.state_bytes is None else {"state_bytes": attempt.state_bytes}))
 
     # --- not joining a group that a banned peer leads ---------------------------------------------------
     @property

@@ -352,4 +352,5 @@ async def download_striped(averager, donors: list[Donor], *, stall_s: float,
                 ", ".join(f"{sent / 1e6:.1f} MB from {peer}" for peer, sent in state.sent_by.items()))
     if progress is not None:
         progress.finish("ok", state.received)
-    return Attempt(first, "ok", state.received, seconds, (metadata, tensors), stripes=dict(state.sent_by))
+    return Attempt(first, "ok", state.received, seconds, (metadata, tensors), stripes=dict(state.sent_by),
+                   state_bytes=expected)

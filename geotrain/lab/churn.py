@@ -612,7 +612,8 @@ def rejoin_record(incarnation: dict, topology: Topology, incarnations: list[dict
     last_epoch_s = max((e["time"] for e in events if e["event"] == "epoch"), default=None)
     if finished is not None and last_epoch_s is not None:  # the agreement's download comes after the last epoch
         downloads = [e for e in downloads if e["time"] <= last_epoch_s]
-    state_bytes = download.get("bytes") if download else None
+    # the state's size: a striped download's received bytes also count the stripes two donors sent at once
+    state_bytes = (download.get("state_bytes") or download.get("bytes")) if download else None
     holders = None
     if incarnations is not None and download is not None:
         holders = current_holders(download["time"] - download.get("seconds", 0.0), incarnations, topology,

@@ -168,6 +168,15 @@ def test_the_bound_counts_only_the_regions_that_held_the_current_state_when_the_
     assert bound == (pytest.approx(expected_s), "eu")
 
 
+def test_a_striped_download_is_bounded_by_the_states_size_not_the_bytes_two_donors_sent_at_once():
+    incarnations = _swarm()
+    [download] = [e for e in incarnations[2]["events"] if e["event"] == "state_download"]
+    plain = _measure(incarnations)["rejoins"][0]
+    download.update(bytes=23_500_000, state_bytes=download["bytes"], stripes={"a": 12_000_000, "b": 11_500_000})
+    striped = _measure(incarnations)["rejoins"][0]
+    assert striped["state_bytes"] == plain["state_bytes"] and striped["bound_s"] == pytest.approx(plain["bound_s"])
+
+
 def test_a_download_after_the_last_epoch_is_the_agreements_and_a_reload_while_training_counts():
     incarnations = _swarm()
     events = incarnations[2]["events"]

@@ -136,6 +136,7 @@ def test_a_state_comes_in_stripes_from_two_donors_at_once(swarm, tmp_path):
     assert stripes == {first.peer_id.to_base58(): values.count(3.0) * tensor_bytes,
                        second.peer_id.to_base58(): values.count(4.0) * tensor_bytes}
     assert metadata["geotrain_state_bytes"] == TENSORS * tensor_bytes and "geotrain_tensor_bytes" not in metadata
+    assert _stripes_event(events_path)["state_bytes"] == TENSORS * tensor_bytes  # what a soak bounds the time by
     assert report.downloads.snapshot()["attempts"]["ok"] == 1
 
 
