@@ -1,0 +1,1 @@
+"""Talking to hivemind: the DHT, the optimizer and what peers send each other."""

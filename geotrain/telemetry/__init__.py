@@ -1,0 +1,1 @@
+"""Live metrics: what peers publish, the Prometheus exporter, the swarm view and status."""
