@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit integration bench lab-bench clean
+.PHONY: demo test unit integration bench lab-bench wheelhouse clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ bench: $(STAMP)
 # [EMJ24] setups A-4, B-4, C-4 in the lab (needs root: network namespaces); about 10 minutes
 lab-bench: $(STAMP)
 	$(BIN)/python benchmarks/lab_bench.py
+
+# The offline bundle for a GPU machine with no package index (docs/gpu.md, "Offline install"): the wheels for
+# Python $(PY_VERSION) on x86-64 Linux that a machine with the packages of $(TARGET_HAS) lacks, and geotrain.
+PY_VERSION ?= 3.12
+TARGET_HAS ?= benchmarks/gpu/target-packages.txt
+wheelhouse:
+	$(PYTHON) benchmarks/gpu/wheelhouse.py --python-version $(PY_VERSION) --target-has $(TARGET_HAS) --out .wheelhouse
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

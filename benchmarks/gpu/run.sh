@@ -57,10 +57,11 @@ here_python="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 this machine's $python is $here_python: build it with \`make wheelhouse PY_VERSION=$here_python\`"
 
 site="${GEOTRAIN_SITE:-$(mktemp -d "${TMPDIR:-/tmp}/geotrain-site.XXXXXX")}"
-echo "run.sh: installing $(ls "$wheelhouse"/*.whl | wc -l) wheels from $wheelhouse into $site (no index)"
+wheels=("$wheelhouse"/*.whl)
+echo "run.sh: installing ${#wheels[@]} wheels from $wheelhouse into $site (no index)"
 started=$SECONDS
 "$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target "$site" "$wheelhouse"/*.whl || fail "pip could not install the bundle (above)"
+    --upgrade --target "$site" "${wheels[@]}" || fail "pip could not install the bundle (above)"
 echo "run.sh: installed in $((SECONDS - started)) s"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

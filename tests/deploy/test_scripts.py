@@ -80,7 +80,7 @@ def trainers(facts: dict[str, str], config_paths: dict[str, Path] | None = None)
 
 def shell_scripts() -> list[Path]:
     scripts = set()
-    for folder in ("peers", "docker"):
+    for folder in ("peers", "docker", "benchmarks"):
         for path in (REPO / folder).rglob("*"):
             if path.is_file() and (path.suffix == ".sh" or path.read_bytes()[:30].startswith(b"#!/usr/bin/env bash")):
                 scripts.add(path)
