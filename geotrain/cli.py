@@ -22,6 +22,7 @@ from pathlib import Path
 from geotrain.config import ConfigError, GeotrainConfig, load_config
 from geotrain.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED, OperatorError,
                              SwarmUnreachableError, UserError)
+from geotrain.hive.admission_files import check_admission_files
 from geotrain.lab.command import add_lab_commands
 from geotrain.lifecycle import Stopper
 from geotrain.local import LocalSwarm
@@ -142,7 +143,9 @@ def config_from_args(args: argparse.Namespace, tables: list[dict], extra: dict |
                      defaults: dict | None = None) -> GeotrainConfig:
     overrides = {key: getattr(args, key) for table in tables for key, _ in table.values()}
     overrides.update(extra or {})
-    return load_config(args.config, overrides=overrides, set_args=args.set_args, defaults=defaults)
+    config = load_config(args.config, overrides=overrides, set_args=args.set_args, defaults=defaults)
+    check_admission_files(config.swarm)  # a wrong token or allow file: exit 2 before torch, hivemind or a wait
+    return config
 
 
 def setup_logging(level: str, role: str) -> None:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from geotrain.errors import UserError
 from geotrain.tasks.presets import PRESET_NAMES
+from geotrain.text_files import load_yaml, read_user_text
 
 TaskName = Literal["cv", "nlp", "asr", "emulated"]
 NetworkProfileName = Literal["loopback", "lan", "continent", "intercontinental"]
@@ -41,7 +42,9 @@ class ConfigError(UserError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float setting is a finite number (a rate, a size, seconds); an infinite
+    # learning rate or timeout is a typo, and null (None) is how a key says "no limit" where it may.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # Why these values:
@@ -709,19 +712,16 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. optimizer.learning_rate=0.01")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
+    text = read_user_text(path, "config", ConfigError)
     try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise ConfigError(f"cannot read config {path}: {error.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -19,79 +19,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import threading
 import time
-from pathlib import Path
 
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.timed_storage import get_dht_time
 
-from geotrain.config import SwarmConfig, peer_id_problem
-from geotrain.errors import UserError
+# the token and the allow-list are read without hivemind (checked before a command starts); re-exported here
+from geotrain.hive.admission_files import (MIN_TOKEN_CHARACTERS, TOKEN_ENVIRONMENT_VARIABLE,  # noqa: F401
+                                           AdmissionConfigError, load_allowed_peer_ids, load_swarm_token)
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENVIRONMENT_VARIABLE = "GEOTRAIN_SWARM_TOKEN"
-MIN_TOKEN_CHARACTERS = 16
 MAX_CLOCK_SKEW_S = 60.0  # a request older or newer than this is refused (replays, wrong clocks)
 MEMBERSHIP_TTL_S = 600.0  # membership proofs are re-stored every third of this
 MAX_REMEMBERED_NONCES = 200_000  # replay protection's memory bound (about 20 MB at most)
-
-
-class AdmissionConfigError(UserError):
-    """The swarm token or the allow-list cannot be read."""
-
-
-def members_key(run_id: str) -> str:
-    return f"{run_id}_members"
-
-
-def load_swarm_token(swarm: SwarmConfig) -> bytes | None:
-    """The swarm's token: ``GEOTRAIN_SWARM_TOKEN`` if set, else the contents of ``swarm.token_file``."""
-    text = os.environ.get(TOKEN_ENVIRONMENT_VARIABLE)
-    where = TOKEN_ENVIRONMENT_VARIABLE
-    if text is None and swarm.token_file is not None:
-        where = str(swarm.token_file)
-        try:
-            text = Path(swarm.token_file).read_text()
-        except OSError as error:
-            raise AdmissionConfigError(f"cannot read the swarm token file {swarm.token_file}: "
-                                       f"{error.strerror or error}") from None
-        except UnicodeDecodeError:
-            raise AdmissionConfigError(f"the swarm token file {swarm.token_file} is not text") from None
-    if text is None:
-        return None
-    token = text.strip()
-    if len(token) < MIN_TOKEN_CHARACTERS:
-        raise AdmissionConfigError(
-            f"the swarm token in {where} has {len(token)} characters; use at least {MIN_TOKEN_CHARACTERS} random "
-            "ones, e.g. `python -c 'import secrets; print(secrets.token_hex(32))' > swarm.token`")
-    return token.encode()
-
-
-def load_allowed_peer_ids(swarm: SwarmConfig) -> frozenset[str] | None:
-    """The admitted peer ids (``swarm.allow`` plus ``swarm.allow_file``); None: every peer."""
-    allowed = set(swarm.allow)
-    if swarm.allow_file is not None:
-        try:
-            lines = Path(swarm.allow_file).read_text().splitlines()
-        except OSError as error:
-            raise AdmissionConfigError(f"cannot read the allow file {swarm.allow_file}: "
-                                       f"{error.strerror or error}") from None
-        for number, line in enumerate(lines, start=1):
-            peer_id = line.split("#", 1)[0].strip()
-            if not peer_id:
-                continue
-            problem = peer_id_problem(peer_id)
-            if problem is not None:
-                raise AdmissionConfigError(f"{swarm.allow_file}:{number}: {peer_id!r} is not a peer id ({problem}); "
-                                           "`geotrain identity FILE` prints a peer's id")
-            allowed.add(peer_id)
-        if not allowed:
-            raise AdmissionConfigError(f"the allow file {swarm.allow_file} lists no peer id; it would admit nobody")
-    return frozenset(allowed) if allowed else None
 
 
 def _derive(token: bytes, purpose: bytes) -> bytes:

@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from geotrain.text_files import load_yaml, read_user_text
+
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "lab"
 REGION_NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 # The lab gives region i (1-based) the subnet 10.77.i.0/24; the relay reads the region from that octet.
@@ -232,15 +234,13 @@ def load_topology(name_or_path: str | Path) -> Topology:
     shipped = SHIPPED_DIR / f"{name_or_path}.yaml"
     if not path.exists() and shipped.exists():
         path = shipped
+    text = read_user_text(path, "topology", TopologyError, unreadable_hint="expected a YAML file or one of the "
+                          f"shipped topologies {', '.join(shipped_topologies())}")
     try:
-        text = path.read_text()
-    except OSError as error:
-        raise TopologyError(f"cannot read topology {name_or_path}: {error.strerror}; expected a YAML file or "
-                            f"one of the shipped topologies {', '.join(shipped_topologies())}") from None
-    try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise TopologyError(f"topology {path} is not valid YAML{at}") from None
+        problem = getattr(error, "problem", None)
+        raise TopologyError(f"topology {path} is not valid YAML{at}{': ' + problem if problem else ''}") from None
     return parse_topology(data, str(path))

@@ -8,10 +8,11 @@ naming ``file:line``, the column and the expected form::
     for row in read_table(path, required=["cloud", "region"]):
         price = row.number("spot_usd_per_hour", optional=True, minimum=0)
 
-Encodings: files are UTF-8. A UTF-8 byte-order mark (Excel's "CSV UTF-8") is skipped, and UTF-16
-with a byte-order mark (Windows PowerShell's ``>``, Notepad's "Unicode") is read as such. Other
-encodings (UTF-16 without a byte-order mark, UTF-32, Windows-1252) and tab-separated files (Excel's
-"Unicode text") fail with a message that says how to save the file instead.
+Encodings: files are read with :func:`geotrain.text_files.read_user_text`, as every file a user writes:
+UTF-8 (a byte-order mark, as Excel's "CSV UTF-8" writes, is skipped) or UTF-16 with a byte-order mark
+(Windows PowerShell's ``>``, Notepad's "Unicode"). Other encodings (UTF-16 without a byte-order mark,
+UTF-32, Windows-1252) and tab-separated files (Excel's "Unicode text") fail with a message that says how
+to save the file instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from geotrain.pricing.errors import InputFileError
+from geotrain.text_files import read_user_text
 
 
 @dataclass
@@ -73,11 +75,7 @@ class Row:
 def read_table(path: Path, required: list[str]) -> Iterator[Row]:
     """Yield the data rows of a CSV file, after checking that its header has the required columns."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise InputFileError(f"cannot read {path}: {error.strerror}; check the path") from None
-    lines = _decode(path, data).splitlines()
+    lines = read_user_text(path, error=InputFileError, advice=SAVE_AS_UTF8).splitlines()
     header: list[str] | None = None
     for number, line in enumerate(lines, start=1):
         if not line.strip() or line.lstrip().startswith("#"):
@@ -103,39 +101,3 @@ def read_table(path: Path, required: list[str]) -> Iterator[Row]:
 
 
 SAVE_AS_UTF8 = 'save it as UTF-8 (in Excel: "CSV UTF-8 (comma delimited)")'
-
-
-def _decode(path: Path, data: bytes) -> str:
-    """The file's text: UTF-8 (a byte-order mark is skipped) or UTF-16 with a byte-order mark.
-
-    Anything else fails with an :class:`InputFileError` that names the encoding found and says how
-    to save the file, instead of a ``UnicodeDecodeError`` or a header that looks wrong.
-    """
-    if data.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
-        raise InputFileError(f"{path}: the file is UTF-32 (it starts with a UTF-32 byte-order mark); {SAVE_AS_UTF8}")
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        try:
-            text = data.decode("utf-16")
-        except UnicodeDecodeError:
-            raise InputFileError(f"{path}: the file starts with a UTF-16 byte-order mark but is not valid UTF-16 "
-                                 f"(it may be cut short); {SAVE_AS_UTF8}") from None
-    elif b"\x00" in data:
-        # UTF-16 without a byte-order mark has a NUL byte next to every ASCII character.
-        odd, even = data[1::2].count(0), data[0::2].count(0)
-        if max(odd, even) >= len(data) // 4:
-            endian = "little" if odd > even else "big"
-            raise InputFileError(f"{path}: the file is UTF-16 ({endian}-endian, without a byte-order mark), "
-                                 f"not UTF-8; {SAVE_AS_UTF8}")
-        line = data.count(b"\n", 0, data.index(b"\x00")) + 1
-        raise InputFileError(f"{path}:{line}: the file contains NUL bytes, so it is not a UTF-8 text file; "
-                             f"{SAVE_AS_UTF8}")
-    else:
-        try:
-            text = data.decode("utf-8-sig")
-        except UnicodeDecodeError as error:
-            line = data.count(b"\n", 0, error.start) + 1
-            raise InputFileError(f"{path}:{line}: byte 0x{data[error.start]:02x} is not UTF-8; the file was "
-                                 f"probably saved in another encoding (e.g. Windows-1252); {SAVE_AS_UTF8}") from None
-    if "\x00" in text:
-        raise InputFileError(f"{path}: the file contains NUL characters, so it is not a text file; {SAVE_AS_UTF8}")
-    return text

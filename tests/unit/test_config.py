@@ -161,3 +161,48 @@ def test_powersgd_refuses_modes_without_gradient_averaging(other, message):
     with pytest.raises(ConfigError, match=message):
         validate_config({"optimizer": {"grad_compression": "powersgd", **other}})
     validate_config({"optimizer": {"grad_compression": "uniform8bit", **other}})  # the others compress those too
+
+
+# -- a key written twice, and infinite numbers --------------------------------------------------------
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("optimizer:\n  learning_rate: 0.1\nswarm:\n  run_id: a\noptimizer:\n  target_batch_size: 64\n", "optimizer", (1, 5)),
+    ("optimizer:\n  learning_rate: 0.1\n  target_batch_size: 64\n  learning_rate: 0.2\n",
+     "optimizer.learning_rate", (2, 4)),
+    ("cost:\n  egress_usd_per_gb:\n    - {source: a, usd_per_gb: 1, source: b}\n",
+     "cost.egress_usd_per_gb[0].source", (3, 3)),
+])
+def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path, text, key, lines):
+    """YAML would keep the second and silently drop the first (a whole section, for one written twice)."""
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, text))
+    message = str(error.value)
+    assert f"key {key!r} is written twice, at line {lines[0]} and at line {lines[1]}" in message, message
+    assert message.startswith(f"config {tmp_path / 'config.yaml'} is not valid YAML at line {lines[1]}")
+
+
+def test_keys_merged_from_an_anchor_may_still_be_overridden(tmp_path):
+    path = write(tmp_path, "coordinator:\n  mirror_options:\n    <<: {key: a, secret: b}\n    key: c\n")
+    assert load_config(path).coordinator.mirror_options == {"key": "c", "secret": "b"}
+
+
+@pytest.mark.parametrize("key, value", [
+    ("optimizer.learning_rate", ".inf"),
+    ("optimizer.learning_rate", ".nan"),
+    ("optimizer.diloco.outer_learning_rate", ".inf"),
+    ("optimizer.averaging_timeout_s", ".inf"),
+    ("guard.ban_s", ".inf"),
+    ("swarm.bootstrap_timeout_s", ".inf"),
+    ("cost.instance_usd_per_hour", "{n1-standard-8: .inf}"),
+])
+def test_infinite_or_nan_settings_are_refused(key, value):
+    with pytest.raises(ConfigError, match=re.escape(key) + r"(\.n1-standard-8)?: input should be a finite number"):
+        load_config(set_args=[f"{key}={value}"])
+
+
+def test_lr_inf_on_the_command_line_is_refused(capsys):
+    from geotrain.cli import main
+
+    assert main(["local", "--lr", "inf"]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.learning_rate: input should be a finite number, got inf" in err and "Traceback" not in err
