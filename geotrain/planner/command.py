@@ -17,6 +17,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from geotrain.planner.errors import PlannerError
@@ -24,7 +25,7 @@ from geotrain.planner.model import (DEFAULT_BATCH_SIZE_PER_STEP, DEFAULT_INNER_S
                                     MODES, Settings)
 from geotrain.planner.network import load_network
 from geotrain.planner.problem import DEFAULT_MAX_PEERS, DEFAULT_SOLVER_TIME_LIMIT_S, OBJECTIVES, Inputs, Request
-from geotrain.planner.profiles import load_profile, profile_from_run, save_profile
+from geotrain.planner.profiles import check_profile_name, load_profile, profile_from_run, save_profile
 from geotrain.planner.report import describe_mode, format_table, plan_json, plot_frontier, why_best, write_json
 from geotrain.planner.solve import plan
 from geotrain.pricing.catalog import load_catalog
@@ -110,8 +111,8 @@ def _quotas(entries: list[str]) -> dict[str, int]:
 
 
 def _check_positive(name: str, value: float | None, allow_zero: bool = False) -> None:
-    if value is not None and (value < 0 or (value == 0 and not allow_zero) or value != value):
-        raise PlannerError(f"{name} is {value:g}; expected a number above 0")
+    if value is not None and (value < 0 or (value == 0 and not allow_zero) or not math.isfinite(value)):
+        raise PlannerError(f"{name} is {value:g}; expected a finite number above 0")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -202,7 +203,10 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Write a measured model profile for `geotrain plan` from the JSON summary of a "
                           "`geotrain local --json PATH` run.")
     parser.add_argument("--from-run", required=True, metavar="PATH", help="summary written by `geotrain local --json`")
-    parser.add_argument("--name", required=True, help="profile name for `geotrain plan --profile NAME`")
+    parser.add_argument("--name", required=True, help="profile name for `geotrain plan --profile NAME`; not a shipped "
+                                                      "profile's, nor one of yours unless --overwrite is given")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace your own profile of that name (a shipped profile is never replaced)")
     parser.add_argument("--device-type", help="the device key the measured samples/s applies to (default: the "
                                               "run's device, e.g. cpu; give the GPU model, e.g. T4, for GPU runs)")
     parser.add_argument("--profiles-dir", help="where to write it (default: $GEOTRAIN_PROFILES_DIR or "
@@ -211,8 +215,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_profile(args: argparse.Namespace) -> int:
     try:
+        check_profile_name(args.name, args.profiles_dir, args.overwrite)  # before reading the run
         profile = profile_from_run(args.from_run, args.name, args.device_type)
-        path = save_profile(profile, args.profiles_dir)
+        path = save_profile(profile, args.profiles_dir, overwrite=args.overwrite)
     except InputFileError as error:
         print(f"geotrain profile: {error}", file=sys.stderr)
         return 2

@@ -20,12 +20,14 @@ A profile is a small YAML file::
 
 Shipped profiles live in ``geotrain/data/planner/profiles/``; the user's own, written by
 ``geotrain profile --from-run``, in ``~/.config/geotrain/profiles/`` (or ``$GEOTRAIN_PROFILES_DIR``,
-or ``--profiles-dir``). A user profile with the name of a shipped one replaces it.
+or ``--profiles-dir``). A user profile with the name of a shipped one replaces it, so ``geotrain profile``
+refuses to write one; it also refuses a name the user's directory has unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -37,6 +39,7 @@ import yaml
 from geotrain.config import OptimizerConfig
 from geotrain.pricing.catalog import DATA_DIR
 from geotrain.planner.errors import PlannerError
+from geotrain.text_files import load_yaml, read_user_text
 
 SHIPPED_PROFILES_DIR = DATA_DIR / "profiles"
 PROFILES_DIR_ENV = "GEOTRAIN_PROFILES_DIR"
@@ -90,20 +93,30 @@ class ModelProfile:
         return yaml.safe_dump(data, sort_keys=False)
 
 
+KIND_NAMES = {int: "whole number", float: "number"}
+# What `geotrain profile --from-run` reads, for its messages about a file that is something else.
+SUMMARY_HINT = "; --from-run expects the JSON summary that `geotrain local --json PATH` writes"
+
+
 def _field(data: dict[str, Any], key: str, where: str, kind: type, minimum: float | None = None,
-           default: Any = None, maximum: float | None = None) -> Any:
+           default: Any = None, maximum: float | None = None, hint: str = "") -> Any:
+    """``data[key]`` as a ``kind`` within the bounds, or a :class:`PlannerError` naming ``where`` and the key;
+    ``hint`` ends every message (what the file should have been)."""
+    expected = KIND_NAMES.get(kind, kind.__name__)
     if key not in data or data[key] is None:
         if default is not None:
             return default
-        raise PlannerError(f"{where}: key {key!r} is missing; expected a {kind.__name__}")
+        raise PlannerError(f"{where}: key {key!r} is missing; expected a {expected}{hint}")
     value = data[key]
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
-        raise PlannerError(f"{where}: {key} is {value!r}; expected a {kind.__name__}")
+        raise PlannerError(f"{where}: {key} is {value!r}; expected a {expected}{hint}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PlannerError(f"{where}: {key} is {value}; expected a finite {expected}{hint}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         bounds = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
-        raise PlannerError(f"{where}: {key} is {value}; expected a number {bounds}")
+        raise PlannerError(f"{where}: {key} is {value}; expected a number {bounds}{hint}")
     return value
 
 
@@ -120,8 +133,8 @@ def parse_profile(data: Any, where: str) -> ModelProfile:
     if not isinstance(rates, dict) or not rates:
         raise PlannerError(f"{where}: samples_per_second must map a GPU type to samples/s, e.g. {{T4: 80}}")
     for key, value in rates.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise PlannerError(f"{where}: samples_per_second.{key} is {value!r}; expected a number > 0")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise PlannerError(f"{where}: samples_per_second.{key} is {value!r}; expected a finite number > 0")
     name = str(data.get("name") or "")
     if not NAME_PATTERN.match(name):
         raise PlannerError(f"{where}: name {name!r} is not valid; expected letters, digits, '_', '-', '.'")
@@ -145,14 +158,15 @@ def parse_profile(data: Any, where: str) -> ModelProfile:
 
 
 def read_profile(path: Path) -> ModelProfile:
+    text = read_user_text(path, "profile", PlannerError)
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as error:
-        raise PlannerError(f"cannot read profile {path}: {error.strerror}") from None
+        data = load_yaml(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise PlannerError(f"profile {path} is not valid YAML{where}; fix the file or remove it") from None
+        problem = getattr(error, "problem", None)
+        raise PlannerError(f"profile {path} is not valid YAML{where}{': ' + problem if problem else ''}; "
+                           "fix the file or remove it") from None
     profile = parse_profile(data, str(path))
     profile.path = Path(path)
     return profile
@@ -199,34 +213,35 @@ def profile_from_run(summary_path: Path, name: str, device_type: str | None = No
     overhead is the measured communication time per averaging round.
     """
     where = str(summary_path)
+    text = read_user_text(summary_path, "run summary", PlannerError,
+                          unreadable_hint="write one with `geotrain local --json PATH`")
     try:
-        data = json.loads(Path(summary_path).read_text())
-    except OSError as error:
-        raise PlannerError(f"cannot read run summary {summary_path}: {error.strerror}; "
-                           "write one with `geotrain local --json PATH`") from None
+        data = json.loads(text)
     except json.JSONDecodeError as error:
         raise PlannerError(f"{where} is not valid JSON (line {error.lineno}, column {error.colno}); "
                            "expected the summary that `geotrain local --json PATH` writes") from None
     if not isinstance(data, dict):
-        raise PlannerError(f"{where}: expected a JSON object (the `geotrain local --json` summary)")
+        raise PlannerError(f"{where}: expected a JSON object{SUMMARY_HINT}")
     if not NAME_PATTERN.match(name):
         raise PlannerError(f"profile name {name!r} is not valid; expected letters, digits, '_', '-', '.'")
-    parameters = _field(data, "parameters", where, int, minimum=1)
-    target_batch_size = _field(data, "target_batch_size", where, int, minimum=1)
+    parameters = _field(data, "parameters", where, int, minimum=1, hint=SUMMARY_HINT)
+    target_batch_size = _field(data, "target_batch_size", where, int, minimum=1, hint=SUMMARY_HINT)
     compression = data.get("grad_compression", "fp16")
     if compression not in COMPRESSIONS:
         raise PlannerError(f"{where}: grad_compression is {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
     peers = data.get("peers")
     if not isinstance(peers, list) or not peers:
-        raise PlannerError(f"{where}: 'peers' is missing or empty; the run must have trained with at least one peer")
+        raise PlannerError(f"{where}: 'peers' is missing or empty; the run must have trained with at least one peer"
+                           f"{SUMMARY_HINT}")
     rates, comm_s, samples = [], [], 0.0
     for index, peer in enumerate(peers):
         if not isinstance(peer, dict):
-            raise PlannerError(f"{where}: peers[{index}] is not an object")
-        peer_samples = _field(peer, "samples", f"{where}: peers[{index}]", float, minimum=0)
-        compute = _field(peer, "compute_s", f"{where}: peers[{index}]", float, minimum=0)
+            raise PlannerError(f"{where}: peers[{index}] is not an object{SUMMARY_HINT}")
+        peer_where = f"{where}: peers[{index}]"
+        peer_samples = _field(peer, "samples", peer_where, float, minimum=0, hint=SUMMARY_HINT)
+        compute = _field(peer, "compute_s", peer_where, float, minimum=0, hint=SUMMARY_HINT)
         samples += peer_samples
-        comm_s.append(_field(peer, "comm_s", f"{where}: peers[{index}]", float, minimum=0))
+        comm_s.append(_field(peer, "comm_s", peer_where, float, minimum=0, hint=SUMMARY_HINT))
         if compute > 0 and peer_samples > 0:
             rates.append(peer_samples / compute)
     if not rates:
@@ -253,7 +268,7 @@ def profile_from_run(summary_path: Path, name: str, device_type: str | None = No
     state_every = OptimizerConfig.model_fields["average_state_every"].default
     sources["state_averaging_every_epochs"] = "geotrain's optimizer.average_state_every default"
     if compression == "powersgd":
-        rank = _field(data, "powersgd_rank", where, int, minimum=1)
+        rank = _field(data, "powersgd_rank", where, int, minimum=1, hint=SUMMARY_HINT)
         bytes_per_parameter = powersgd_bytes_per_parameter(str(data.get("task") or ""), data.get("preset"), rank,
                                                            parameters, where)
         sources["bytes_per_parameter"] = (f"PowerSGD rank {rank} on the shapes of {data.get('task')}/"
@@ -291,11 +306,32 @@ def powersgd_bytes_per_parameter(task: str, preset: Any, rank: int, parameters: 
     return round(2 * (factors + plain) / parameters, 6)
 
 
-def save_profile(profile: ModelProfile, profiles_dir: str | Path | None = None) -> Path:
-    directory = user_profiles_dir(profiles_dir)
+def check_profile_name(name: str, profiles_dir: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Where ``geotrain profile --name NAME`` writes; a name that is taken is refused.
+
+    A shipped profile's name always (a user profile of that name would replace it for ``geotrain plan``,
+    which would then plan the wrong model); one of the user's own profiles unless ``overwrite``.
+    """
+    if not NAME_PATTERN.match(name):
+        raise PlannerError(f"profile name {name!r} is not valid; expected letters, digits, '_', '-', '.'")
+    path = user_profiles_dir(profiles_dir) / f"{name}.yaml"
+    shipped = SHIPPED_PROFILES_DIR / f"{name}.yaml"
+    if shipped.exists():
+        raise PlannerError(f"--name {name}: {name!r} is a shipped profile ({shipped}), and a profile of yours with "
+                           f"that name would replace it for `geotrain plan --profile {name}`, even with --overwrite; "
+                           "choose another --name")
+    if path.exists() and not overwrite:
+        raise PlannerError(f"--name {name}: a profile named {name!r} already exists ({path}); pass --overwrite to "
+                           "replace it, or choose another --name")
+    return path
+
+
+def save_profile(profile: ModelProfile, profiles_dir: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Write ``profile`` into the user's profile directory; see :func:`check_profile_name` for the names refused."""
+    path = check_profile_name(profile.name, profiles_dir, overwrite)
+    directory = path.parent
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{profile.name}.yaml"
         tmp = path.with_suffix(".yaml.tmp")
         tmp.write_text(profile.to_yaml())
         tmp.replace(path)

@@ -8,6 +8,7 @@ EXACT_OFFER_LIMIT offers: :func:`reduce_candidates`.
 
 from __future__ import annotations
 
+import difflib
 from collections import defaultdict
 
 from geotrain.pricing.catalog import Offer
@@ -22,9 +23,31 @@ CANDIDATES_PER_REGION = 3
 CANDIDATE_REGIONS = 6
 
 
+def check_names(offers: list[Offer], request: Request) -> None:
+    """Refuse a cloud, region or continent that no offer of the catalog has (``--regions europe-wes4``,
+    ``--quota us-centrall=2``): left alone it would be ignored, and the plan silently differ from the request.
+    The message suggests the closest name the catalog has."""
+    requested = (("--clouds", request.clouds, "cloud"), ("--regions", request.regions, "region"),
+                 ("--continents", request.continents, "continent"),
+                 ("--quota", request.region_quota_gpus.keys() if request.region_quota_gpus else None, "region"))
+    for flag, names, attribute in requested:
+        known = sorted({getattr(o, attribute) for o in offers})
+        unknown = sorted(set(names or ()) - set(known))
+        if not unknown:
+            continue
+        described = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1)
+            described.append(f"{name!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise PlannerError(f"{flag}: the catalog has no {attribute} {', '.join(described)}; its {attribute}s are "
+                           f"{', '.join(known)}; fix the name, or add the {attribute}'s VMs to the catalog (--catalog)")
+
+
 def select_offers(inputs: Inputs, request: Request) -> list[Offer]:
-    """The offers the request allows, failing with a message that names the filter that emptied the list."""
+    """The offers the request allows, failing with a message that names the filter that emptied the list
+    or a name the catalog does not have (:func:`check_names`)."""
     offers = inputs.offers
+    check_names(offers, request)
     for name, allowed, attribute in (("--clouds", request.clouds, "cloud"), ("--regions", request.regions, "region"),
                                      ("--continents", request.continents, "continent")):
         if allowed is None:

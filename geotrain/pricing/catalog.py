@@ -15,6 +15,8 @@ per instance type and region::
 - ``memory_gb`` (optional column) is the VM's memory; a profile's ``min_vm_memory_gb`` leaves out VMs
   known to have less (empty: unknown, never left out).
 - ``source`` says where the figures come from; every shipped line has one.
+- One line per instance type and region: a second line for the same ``cloud``, ``region`` and
+  ``instance_type`` is refused, naming both lines (which price would be meant is unknowable).
 
 Each line becomes up to two :class:`Offer` objects, one per purchase option.
 """
@@ -111,14 +113,24 @@ def load_catalog(path: Path | None = None) -> list[Offer]:
     path = Path(path) if path else DEFAULT_CATALOG
     offers: list[Offer] = []
     continent_of: dict[tuple[str, str], tuple[str, int]] = {}
+    line_of: dict[tuple[str, str, str], int] = {}
     for row in read_table(path, required=CATALOG_COLUMNS):
-        for offer in _row_offers(row):
+        row_offers = _row_offers(row)  # at least one: a line without a price is refused
+        for offer in row_offers:
             seen = continent_of.setdefault(offer.site, (offer.continent, row.line))
             if seen[0] != offer.continent:
                 raise InputFileError(f"{row.where('continent')}: region {offer.region} of {offer.cloud} is on "
                                    f"{seen[0]!r} at line {seen[1]} but on {offer.continent!r} here; "
                                    "a region lies on one continent")
             offers.append(offer)
+        first = row_offers[0]
+        key = (first.cloud, first.region, first.instance_type.casefold())  # as the price book matches it
+        if key in line_of:
+            raise InputFileError(f"{path}:{row.line}: {first.cloud}/{first.region} {first.instance_type} is listed "
+                                 f"twice, at line {line_of[key]} and at line {row.line}; the catalog has one line per "
+                                 "instance type and region (spot and on-demand prices side by side), so delete one "
+                                 "of the two lines")
+        line_of[key] = row.line
     if not offers:
         raise InputFileError(f"{path}: the catalog has no instance lines; add at least one")
     return offers

@@ -3,6 +3,7 @@ below every configuration, and the MILP solver's time limit."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -83,7 +84,8 @@ def test_byte_order_marks_load_like_plain_utf8(tmp_path, text, encoding):
     (SHIPPED.encode("utf-32"), r": the file is UTF-32"),
     (SHIPPED.encode("utf-16")[:-1], r": the file starts with a UTF-16 byte-order mark but is not valid UTF-16"),
     (SHIPPED.encode("utf-8") + "gc,us-central1,us,t4-vm,T4,1,,0.5,0.1,,Preis €\n".encode("cp1252"),
-     rf":{len(SHIPPED.splitlines()) + 1}: byte 0x80 is not UTF-8; the file was probably saved in another encoding"),
+     rf":{len(SHIPPED.splitlines()) + 1}: byte 0x80 \(at byte offset {len(SHIPPED.encode()) + 45}\) is not UTF-8; "
+     "the file was probably saved in another encoding"),
     (b"cloud,region\nx\x00\x01,y\n", r":2: the file contains NUL bytes"),
 ])
 def test_other_encodings_name_the_file_and_how_to_save_it(tmp_path, data, expected):
@@ -216,3 +218,99 @@ def test_infeasible_request_is_still_infeasible_not_a_time_limit():
     with pytest.raises(PlannerError) as error:
         plan(inputs, Request(max_peers=3, min_samples_per_second=5000))
     assert "is out of reach" in str(error.value) and "time limit" not in str(error.value)
+
+
+# -- names and lines the planner used to ignore (through `geotrain`'s own entry point) --------------
+
+def refusal(capsys, *argv: str) -> str:
+    """What ``geotrain ARGV`` printed when it refused its input: one line, exit code 2."""
+    from geotrain.cli import main as geotrain
+
+    code = geotrain(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--quota", "us-centrall=2"], "--quota: the catalog has no region 'us-centrall' (did you mean us-central1?)"),
+    (["--regions", "us-central1,europe-wes4"],
+     "--regions: the catalog has no region 'europe-wes4' (did you mean europe-west4?)"),
+    (["--clouds", "gc,awz"], "--clouds: the catalog has no cloud 'awz' (did you mean aws?)"),
+])
+def test_a_region_or_cloud_the_catalog_lacks_is_refused_with_the_closest_name(capsys, flags, expected):
+    err = refusal(capsys, "plan", "--profile", "convnext_large", "--max-peers", "2", *flags)
+    assert err.startswith(f"geotrain plan: {expected}; its "), err
+    assert "us-central1, " in err or "aws, " in err  # the names the catalog has
+
+
+def test_a_catalog_line_written_twice_is_refused_naming_both_lines(tmp_path, capsys):
+    lines = SHIPPED.splitlines()
+    first = next(number for number, line in enumerate(lines, start=1) if line.startswith("gc,us-central1,us,t4-vm,"))
+    catalog = tmp_path / "instances.csv"
+    catalog.write_text(SHIPPED + lines[first - 1].replace("0.180", "0.120") + "\n")
+    err = refusal(capsys, "plan", "--profile", "convnext_large", "--catalog", str(catalog))
+    assert err.startswith(f"geotrain plan: {catalog}:{len(lines) + 1}: gc/us-central1 t4-vm is listed twice, at line "
+                          f"{first} and at line {len(lines) + 1}; "), err
+
+
+def test_a_profile_with_a_key_written_twice_is_refused_naming_both_lines(tmp_path, capsys):
+    profile = tmp_path / "mine.yaml"
+    profile.write_text("name: mine\nparameters: 1000\nbytes_per_parameter: 2\ntarget_batch_size: 64\n"
+                       "samples_per_second: {cpu: 10}\nparameters: 2000000\n")
+    err = refusal(capsys, "plan", "--profile", str(profile))
+    assert "key 'parameters' is written twice, at line 2 and at line 6" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--budget-usd-per-hour", "--min-samples-per-second", "--train-samples"])
+def test_an_infinite_limit_is_refused(capsys, flag):
+    err = refusal(capsys, "plan", "--profile", "convnext_large", flag, "inf")
+    assert err == f"geotrain plan: {flag} is inf; expected a finite number above 0"
+
+
+# -- `geotrain profile`: names that are taken, and files that are no run summary -------------------
+
+def write_summary(path: Path, **fields) -> Path:
+    path.write_text(json.dumps({
+        "task": "cv", "preset": "tiny", "parameters": 300_000, "target_batch_size": 256, "grad_compression": "fp16",
+        "device": "cpu", "peers": [{"samples": 1024, "compute_s": 20.0, "comm_s": 4.0}], **fields}))
+    return path
+
+
+def test_a_shipped_profile_name_is_refused_even_with_overwrite(tmp_path, capsys):
+    summary = write_summary(tmp_path / "run.json")
+    for extra in ([], ["--overwrite"]):
+        err = refusal(capsys, "profile", "--from-run", str(summary), "--name", "convnext_large",
+                      "--profiles-dir", str(tmp_path / "profiles"), *extra)
+        assert "'convnext_large' is a shipped profile" in err and "choose another --name" in err, err
+    assert not (tmp_path / "profiles").exists()
+
+
+def test_an_existing_profile_is_replaced_only_with_overwrite(tmp_path, capsys):
+    from geotrain.cli import main as geotrain
+
+    profiles = tmp_path / "profiles"
+    first, second = write_summary(tmp_path / "a.json"), write_summary(tmp_path / "b.json", parameters=600_000)
+    assert geotrain(["profile", "--from-run", str(first), "--name", "mine", "--profiles-dir", str(profiles)]) == 0
+    written = (profiles / "mine.yaml").read_text()
+    err = refusal(capsys, "profile", "--from-run", str(second), "--name", "mine", "--profiles-dir", str(profiles))
+    assert f"a profile named 'mine' already exists ({profiles / 'mine.yaml'}); pass --overwrite" in err, err
+    assert (profiles / "mine.yaml").read_text() == written  # nothing lost
+    assert geotrain(["profile", "--from-run", str(second), "--name", "mine", "--profiles-dir", str(profiles),
+                     "--overwrite"]) == 0
+    assert "parameters: 600000" in (profiles / "mine.yaml").read_text()
+
+
+@pytest.mark.parametrize("content, expected", [
+    ({"candidates": [], "objective": "throughput"}, "key 'parameters' is missing; expected a whole number"),
+    ({"parameters": "many"}, "parameters is 'many'; expected a whole number"),
+    ({"parameters": 10, "target_batch_size": 8, "peers": [{"samples": 1}]},
+     "peers[0]: key 'compute_s' is missing; expected a number"),
+])
+def test_a_json_that_is_no_run_summary_says_what_profile_expects(tmp_path, capsys, content, expected):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(content))
+    err = refusal(capsys, "profile", "--from-run", str(path), "--name", "m", "--profiles-dir", str(tmp_path))
+    assert err == (f"geotrain profile: {path}: {expected}; --from-run expects the JSON summary that "
+                   "`geotrain local --json PATH` writes"), err

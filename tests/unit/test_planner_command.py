@@ -59,10 +59,12 @@ def test_plan_plot_writes_png(tmp_path):
      "--min-samples-per-second 100000 is out of reach"),
     (["--profile", "convnext_large", "--budget-usd-per-hour", "0.1"],
      "no configuration fits the budget (--budget-usd-per-hour 0.1)"),
-    (["--profile", "convnext_large", "--solver-time-limit", "0"], "--solver-time-limit is 0; expected a number above 0"),
+    (["--profile", "convnext_large", "--solver-time-limit", "0"], "--solver-time-limit is 0; expected a finite number above 0"),
     (["--profile", "convnext_large", "--quota", "us-central1"], "expected REGION=GPUS"),
     (["--profile", "convnext_large", "--objective", "throughput"], "needs --budget-usd-per-hour"),
-    (["--profile", "convnext_large", "--regions", "mars-1"], "--regions mars-1 leaves no offer"),
+    (["--profile", "convnext_large", "--regions", "mars-1"], "--regions: the catalog has no region 'mars-1'"),
+    (["--profile", "convnext_large", "--clouds", "aws", "--regions", "us-central1"],
+     "--regions us-central1 leaves no offer"),
 ])
 def test_user_errors_exit_2_without_traceback(args, message):
     result = run_cli("plan", *args)

@@ -159,8 +159,16 @@ def test_budget_and_floor_together_name_both():
 
 def test_filters_that_leave_nothing_name_the_filter():
     inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
-    with pytest.raises(PlannerError, match=r"--clouds lambda leaves no offer.*gc"):
-        plan(inputs, Request(clouds=frozenset({"lambda"})))
+    with pytest.raises(PlannerError, match=r"--regions us-central1 leaves no offer.*us-east-1"):
+        plan(inputs, Request(clouds=frozenset({"aws"}), regions=frozenset({"us-central1"})))
+
+
+def test_a_name_the_catalog_does_not_have_is_refused_not_ignored():
+    inputs = Inputs(CATALOG, PROFILE, load_network(), load_egress(), Settings())
+    with pytest.raises(PlannerError, match=r"--clouds: the catalog has no cloud 'lambda'; its clouds are aws, azure, gc"):
+        plan(inputs, Request(clouds=frozenset({"lambda", "gc"})))
+    with pytest.raises(PlannerError, match=r"--continents: the catalog has no continent 'eur' \(did you mean eu\?\)"):
+        plan(inputs, Request(continents=frozenset({"eur"})))
 
 
 def test_spot_only_catalog_has_no_anchor():
