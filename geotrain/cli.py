@@ -19,6 +19,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from geotrain.capacity import check_trainer_count
 from geotrain.config import ConfigError, GeotrainConfig, load_config
 from geotrain.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED, OperatorError,
                              SwarmUnreachableError, UserError)
@@ -238,6 +239,7 @@ def run_local(args: argparse.Namespace) -> int:
         raise ConfigError("--peers: expected at least 1 trainer")
     if args.epochs < 1:
         raise ConfigError("--epochs: expected at least 1 epoch")
+    check_trainer_count(args.peers)  # before anything starts: 1000 trainers would drown this machine
     config = config_from_args(args, [TRAINING_FLAGS], {"training.max_epochs": args.epochs},
                               defaults={"optimizer.network_profile": "loopback"})
     if args.metrics_base_port is not None and not 1 <= args.metrics_base_port <= 65535 - args.peers:
