@@ -257,10 +257,6 @@ def run_local(args: argparse.Namespace) -> int:
         raise ConfigError("--prometheus-port: expected a TCP port (0 for any free port)")
     if prometheus_options.get("scrape_interval_s", 1) <= 0:
         raise ConfigError("--prometheus-scrape-interval: expected seconds > 0")
-    # Ctrl-C and SIGTERM stop the local swarm, also when this process was started with SIGINT ignored
-    # (a background job of a non-interactive shell inherits that, and Python then keeps it)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         swarm = LocalSwarm(config, peers=args.peers, epochs=args.epochs, run_dir=args.run_dir,
                            metrics_base_port=args.metrics_base_port, prometheus=args.prometheus,
@@ -268,6 +264,11 @@ def run_local(args: argparse.Namespace) -> int:
     except PrometheusNotInstalled as error:
         print(f"geotrain local: --prometheus: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    swarm.check_outputs(json_path=args.json)
+    # Ctrl-C and SIGTERM stop the local swarm (exit 0: stopped on request), also when this process was started
+    # with SIGINT ignored (a background job of a non-interactive shell inherits that, and Python then keeps it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     return swarm.run(json_path=args.json)
 
 
