@@ -19,6 +19,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from geotrain.capacity import check_trainer_count
 from geotrain.config import ConfigError, GeotrainConfig, load_config
 from geotrain.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED, OperatorError,
                              SwarmUnreachableError, UserError)
@@ -241,6 +242,7 @@ def run_local(args: argparse.Namespace) -> int:
         raise ConfigError("--peers: expected at least 1 trainer")
     if args.epochs < 1:
         raise ConfigError("--epochs: expected at least 1 epoch")
+    check_trainer_count(args.peers)  # before anything starts: 1000 trainers would drown this machine
     config = config_from_args(args, [TRAINING_FLAGS], {"training.max_epochs": args.epochs},
                               defaults={"optimizer.network_profile": "loopback"})
     if args.metrics_base_port is not None and not 1 <= args.metrics_base_port <= 65535 - args.peers:
@@ -258,10 +260,6 @@ def run_local(args: argparse.Namespace) -> int:
         raise ConfigError("--prometheus-port: expected a TCP port (0 for any free port)")
     if prometheus_options.get("scrape_interval_s", 1) <= 0:
         raise ConfigError("--prometheus-scrape-interval: expected seconds > 0")
-    # Ctrl-C and SIGTERM stop the local swarm, also when this process was started with SIGINT ignored
-    # (a background job of a non-interactive shell inherits that, and Python then keeps it)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         swarm = LocalSwarm(config, peers=args.peers, epochs=args.epochs, run_dir=args.run_dir,
                            metrics_base_port=args.metrics_base_port, prometheus=args.prometheus,
@@ -269,6 +267,11 @@ def run_local(args: argparse.Namespace) -> int:
     except PrometheusNotInstalled as error:
         print(f"geotrain local: --prometheus: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    swarm.check_outputs(json_path=args.json)
+    # Ctrl-C and SIGTERM stop the local swarm (exit 0: stopped on request), also when this process was started
+    # with SIGINT ignored (a background job of a non-interactive shell inherits that, and Python then keeps it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     return swarm.run(json_path=args.json)
 
 

@@ -81,6 +81,7 @@ class ProcessLauncher:
     def start_coordinator(self, arguments: list[str], peers_file: Path,
                           timeout_s: float = COORDINATOR_START_TIMEOUT_S) -> list[str]:
         """Spawn the coordinator and return the join addresses it writes to ``peers_file``."""
+        peers_file.unlink(missing_ok=True)  # one left by an earlier run is not this coordinator's address
         coordinator = self.spawn(COORDINATOR, arguments)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

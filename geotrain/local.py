@@ -3,8 +3,9 @@
     geotrain local --peers 3 --task cv --epochs 5 --json summary.json
 
 starts a coordinator and N trainer peers as separate OS processes on loopback (exactly the
-commands a user runs on real VMs), shows live progress, stops everything at the end or on Ctrl-C,
-prints a summary table and writes it as JSON. Each process logs to ``RUN_DIR/<name>.log``; the
+commands a user runs on real VMs), shows live progress, stops everything at the end or on Ctrl-C
+(exit 0, as any stop on request; the summary then says the run was interrupted instead of comparing the
+peers' parameters), prints a summary table and writes it as JSON. Each process logs to ``RUN_DIR/<name>.log``; the
 trainers' event files (``RUN_DIR/peer-<i>.jsonl``) feed the progress display and the summary.
 
 With ``--prometheus`` every peer (the coordinator too) serves metrics on a free loopback port, and a
@@ -27,6 +28,7 @@ from geotrain.config import GeotrainConfig, write_resolved_config
 from geotrain.events import read_events
 from geotrain.launcher import LaunchError, PeerProcess, ProcessLauncher
 from geotrain.ports import ensure_port_free, free_ports
+from geotrain.run_dir import check_outputs, clear_previous_run, lock_run_dir
 from geotrain.telemetry.prometheus_server import (DEFAULT_PORT as DEFAULT_PROMETHEUS_PORT,
                                                   DEFAULT_SCRAPE_INTERVAL_S, PrometheusError, PrometheusServer,
                                                   find_prometheus)
@@ -104,8 +106,26 @@ class LocalSwarm:
               f"swarm console: {self.prometheus.console_url}", flush=True)
 
     # --- the run ---------------------------------------------------------------------------
+    def check_outputs(self, json_path: Path | None = None) -> None:
+        """:class:`~geotrain.errors.UserError` if the run directory or the summary cannot be written as asked."""
+        check_outputs(self.run_dir, json_path)
+
     def run(self, json_path: Path | None = None) -> int:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        """Exit code: 0 when every trainer finished its epochs or the run was stopped on request (Ctrl-C,
+        SIGTERM), 1 when a trainer failed or the swarm stopped short; the run directory's earlier run is
+        removed first (:mod:`geotrain.run_dir`)."""
+        self.check_outputs(json_path)  # before anything starts, and before anything is removed
+        lock = lock_run_dir(self.run_dir)
+        try:
+            removed = clear_previous_run(self.run_dir, json_path)
+            if removed:
+                print(f"geotrain local: {self.run_dir} held an earlier run; removed its files ({', '.join(removed)})",
+                      flush=True)
+            return self._run(json_path)
+        finally:
+            lock.close()
+
+    def _run(self, json_path: Path | None) -> int:
         config_path = write_resolved_config(self.config, self.run_dir)
         print(f"geotrain local: {self.peers} trainers, task {self.config.task.name}/{self.config.task.preset}, "
               f"{self.epochs} {self.config.optimizer.describe_rounds()}; logs in {self.run_dir}",
@@ -128,19 +148,31 @@ class LocalSwarm:
             if self.prometheus is not None:
                 self.prometheus.stop()
         trainers = self.launcher.trainers
-        summary = summarize(self.config, trainers, self.run_dir)
+        summary = summarize(self.config, trainers, self.run_dir, interrupted=interrupted)
         print(format_summary(summary), flush=True)
         if json_path is not None:
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps(summary, indent=2) + "\n")
-            print(f"summary written to {json_path}", flush=True)
+            self._write_summary(summary, json_path)
         failed = [p for p in trainers if p.process.returncode not in (0, None)]
         for peer in failed:
             print(f"{peer.name} exited with code {peer.process.returncode}; last lines of {peer.log_path}:\n"
                   f"{peer.log_tail()}", file=sys.stderr)
-        if interrupted:
-            return 130
-        return 1 if failed or summary["epochs_completed"] < self.epochs else 0
+        if failed:
+            return 1
+        # stopped on request (Ctrl-C, SIGTERM): exit 0, as every geotrain command (docs/deployment.md, exit codes)
+        return 0 if interrupted or summary["epochs_completed"] >= self.epochs else 1
+
+    def _write_summary(self, summary: dict, json_path: Path) -> None:
+        """Write the summary to ``json_path``; should that fail after all, to the run directory instead."""
+        text = json.dumps(summary, indent=2) + "\n"
+        for path in dict.fromkeys([json_path, self.run_dir / "summary.json"]):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+            except OSError as error:
+                print(f"geotrain local: cannot write the summary to {path} ({error.strerror})", file=sys.stderr)
+                continue
+            print(f"summary written to {path}", flush=True)
+            return
 
     def _follow(self, trainers: list[PeerProcess]) -> None:
         """Live progress until every trainer has exited."""
@@ -188,8 +220,12 @@ def _one_or_list(values: list):
     return distinct[0] if len(distinct) == 1 else (distinct or None)
 
 
-def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path) -> dict:
-    """The run's summary (also the JSON that ``--json`` writes and ``geotrain profile`` reads)."""
+def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path, interrupted: bool = False) -> dict:
+    """The run's summary (also the JSON that ``--json`` writes and ``geotrain profile`` reads).
+
+    ``interrupted``: the run was stopped before its end (Ctrl-C), so the peers' parameters are not compared
+    (``params_identical`` is None): each stopped wherever it was, without the end-of-run agreement.
+    """
     peers, epoch_events, starts, ends = [], [], [], []
     parameters = None
     for trainer in trainers:
@@ -257,7 +293,8 @@ def summarize(config: GeotrainConfig, trainers: list[PeerProcess], run_dir: Path
         "loss_per_epoch": [_weighted_loss([e for epochs in epoch_events for e in epochs if e["epoch"] == k])
                            for k in range(1, last_epoch + 1)],
         "granularity": compute_s / comm_s if comm_s > 0 else None,
-        "params_identical": len(hashes) == 1 and None not in hashes,
+        "interrupted": interrupted,
+        "params_identical": None if interrupted else len(hashes) == 1 and None not in hashes,
         "run_dir": str(run_dir),
         "peers": peers,
     }
@@ -283,5 +320,9 @@ def format_summary(summary: dict) -> str:
     peak = summary.get("peak_gpu_memory_bytes")
     lines.append(f"computed on {summary.get('device') or '?'} in {summary.get('precision') or '?'}; waiting for data "
                  f"{summary.get('data_s', 0.0):.1f} s in all" + (f"; peak GPU memory {peak / 2**30:.2f} GiB" if peak else ""))
-    lines.append("parameters identical on every peer: " + ("yes" if summary["params_identical"] else "NO"))
+    if summary.get("interrupted"):
+        lines.append(f"interrupted at epoch {summary['epochs_completed']} of {summary['epochs_requested']}: "
+                     "parameters not compared (the peers stopped before the end-of-run agreement)")
+    else:
+        lines.append("parameters identical on every peer: " + ("yes" if summary["params_identical"] else "NO"))
     return "\n".join(lines)
