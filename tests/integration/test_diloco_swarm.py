@@ -1,7 +1,8 @@
 """DiLoCo mode in real swarms (trainers and the coordinator as OS processes on loopback).
 
-- On text, 4 trainers reach sync mode's loss with the same number of samples (the benchmark
-  benchmarks/diloco_convergence.py at a smaller budget: the figures in docs/diloco.md come from it).
+(That 4 trainers on text reach sync mode's loss with the same number of samples is measured by
+benchmarks/diloco_convergence.py, result committed in benchmarks/results/diloco_convergence.json: a long run.)
+
 - A trainer frozen for a round (a VM that stalls: hivemind issue #624's peer lost in ``averager.step``)
   finds itself off the round's majority and takes the majority's outer state; the coordinator checkpoints
   the outer optimizer; everyone ends equal. (A newcomer's outer state: tests/unit/test_diloco.py.)
@@ -11,30 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
-from pathlib import Path
 
 from geotrain.checkpoint import CheckpointStore
 from geotrain.events import read_events
 from swarm_helpers import FAST_SWARM, last_epoch, wait_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from diloco_convergence import compare  # noqa: E402
-
 INNER_STEPS = 8
 EPOCHS = 8
-
-
-def test_diloco_reaches_the_loss_of_sync_mode_with_the_same_samples_on_text(tmp_path):
-    report = compare(tmp_path, h_values=(16,), samples=3072, peers=4)
-    sync, diloco = report["runs"]
-    assert sync["params_identical"] and diloco["params_identical"]
-    assert diloco["outer_rounds_ok"] >= 0.75 * diloco["outer_rounds"], diloco
-    first_loss = diloco["curve"][0][1]
-    assert diloco["final_loss"] < 0.9 * first_loss, f"DiLoCo's loss did not fall: {diloco['curve']}"
-    # the goal: a final loss within 5% of sync mode's (lower is fine: more optimizer steps per sample)
-    assert diloco["final_loss"] <= 1.05 * sync["final_loss"], (sync["final_loss"], diloco["final_loss"])
 
 
 def _finished(events_path):

@@ -1,0 +1,59 @@
+"""The suite's tiers, one folder each, and what each cost: printed at the end of every run.
+
+- ``unit``: in-process (the planner, the config, hivemind's objects on loopback inside the test's process);
+- ``integration``: coordinators and trainers as OS processes on loopback;
+- ``lab``: emulated regions in network namespaces (root; skipped elsewhere with the reason);
+- ``deploy``: the recipes in docker/, peers/ and monitoring/ against their tools.
+
+Each test gets its tier's marker, so ``pytest -m "not integration"`` (or ``-m unit``) picks tiers across
+folders. tests/README.md lists what each test checks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+TIERS = ("unit", "integration", "lab", "deploy")
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: a test of tests/{tier}/ (see tests/conftest.py)")
+
+
+def tier_of(path: Path) -> str | None:
+    try:
+        return path.resolve().relative_to(HERE).parts[0]
+    except ValueError:
+        return None
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        tier = tier_of(Path(str(item.fspath)))
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+_seconds: dict[str, float] = defaultdict(float)
+_counts: dict[str, int] = defaultdict(int)
+
+
+def pytest_runtest_logreport(report):
+    tier = tier_of(Path(report.fspath)) if report.fspath else None
+    if tier not in TIERS:
+        return
+    _seconds[tier] += report.duration  # setup, call and teardown: module fixtures' swarms included
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        _counts[tier] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _seconds:
+        return
+    parts = [f"{tier} {_seconds[tier]:.0f} s ({_counts[tier]} tests)" for tier in TIERS if tier in _seconds]
+    terminalreporter.write_line(f"time per tier: {', '.join(parts)}; total {sum(_seconds.values()):.0f} s")
