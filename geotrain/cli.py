@@ -298,12 +298,24 @@ def run_identity(args: argparse.Namespace) -> int:
 HANDLERS = {"peer": run_peer, "coordinator": run_coordinator, "local": run_local, "status": run_status_command}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, embedded: bool = False) -> int:
+    """Run one command; its exit code.
+
+    ``embedded``: called from a Python program that goes on afterwards (the test suite checks refusals this
+    way): the process is not ended, its signal handlers are put back, and other children of the process are
+    left alone."""
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None) or HANDLERS[args.command]
     if hasattr(args, "log_level"):
         setup_logging(args.log_level, args.command)
+    if embedded:
+        handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return _run_handler(handler, args, reap_children=False)
+        finally:
+            for number, previous in handlers.items():
+                signal.signal(number, previous)
     code = _run_handler(handler, args)
     if args.command in ("peer", "coordinator", "status"):
         # hivemind's objects can crash the interpreter's teardown after their processes are gone;
@@ -315,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _run_handler(handler, args: argparse.Namespace) -> int:
+def _run_handler(handler, args: argparse.Namespace, reap_children: bool = True) -> int:
     try:
         return handler(args)
     except UserError as error:
@@ -334,4 +346,5 @@ def _run_handler(handler, args: argparse.Namespace) -> int:
         return EXIT_UNEXPECTED
     finally:
         # whatever happened above, no hivemind child or p2pd may outlive this command
-        kill_descendants(grace_s=2.0, final=True)
+        if reap_children:
+            kill_descendants(grace_s=2.0, final=True)

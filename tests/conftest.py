@@ -57,3 +57,24 @@ def pytest_terminal_summary(terminalreporter):
         return
     parts = [f"{tier} {_seconds[tier]:.0f} s ({_counts[tier]} tests)" for tier in TIERS if tier in _seconds]
     terminalreporter.write_line(f"time per tier: {', '.join(parts)}; total {sum(_seconds.values()):.0f} s")
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """geotrain's command line run in this process, as ``geotrain ARGS`` would run: a function of the arguments
+    returning its ``returncode``, ``stdout`` and ``stderr`` (argparse's own refusals included). For refusals and
+    other checks that end before a peer joins: a process per case would cost a Python start with torch each."""
+    from types import SimpleNamespace
+
+    from geotrain import cli
+
+    def run(*arguments: str) -> SimpleNamespace:
+        capsys.readouterr()
+        try:
+            code = cli.main(list(arguments), embedded=True)
+        except SystemExit as exited:
+            code = exited.code
+        printed = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=printed.out, stderr=printed.err)
+
+    return run

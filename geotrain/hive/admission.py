@@ -37,6 +37,10 @@ MEMBERSHIP_TTL_S = 600.0  # membership proofs are re-stored every third of this
 MAX_REMEMBERED_NONCES = 200_000  # replay protection's memory bound (about 20 MB at most)
 
 
+def members_key(run_id: str) -> str:
+    return f"{run_id}_members"
+
+
 def _derive(token: bytes, purpose: bytes) -> bytes:
     return hmac.new(token, b"geotrain/" + purpose, hashlib.sha256).digest()
 

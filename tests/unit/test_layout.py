@@ -134,3 +134,19 @@ def test_the_import_pin_sees_a_command_that_loads_torch(tmp_path):
     code, loaded = loaded_by("peer", "--data-source", "folder", "--data-path", str(tmp_path / "missing"))
     assert code == 2
     assert "torch" in loaded
+
+
+def test_every_module_of_the_package_imports():
+    """A name moved between modules without its users (an ImportError at a peer's start) fails here, in-process,
+    before any swarm test starts a peer that would die of it."""
+    import importlib
+
+    failed = {}
+    for name in sorted(MODULES):
+        if name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # noqa: BLE001 - every kind of import failure is reported
+            failed[name] = f"{type(error).__name__}: {error}"
+    assert not failed, failed
