@@ -149,28 +149,55 @@ class Bundle:
                 return path
         raise BundleError(f"{requirement}: pip reported success but left no wheel in {directory}")
 
+    def fetch_many(self, requirements: list[Requirement]) -> dict[str, Path]:
+        """Wheels for ``requirements``: one pip call for those that have a wheel for the target, and one each
+        for the others (built from source here)."""
+        fetched: dict[str, Path] = {}
+        pending = list(requirements)
+        while pending:
+            done = self.pip("download", "--quiet", "--no-deps", *self.platform_arguments(), "-d", str(self.out),
+                            *(str(requirement) for requirement in pending))
+            if done.returncode == 0:
+                by_name = {canonicalize_name(parse_wheel_filename(p.name)[0]): p for p in self.out.glob("*.whl")}
+                fetched.update({canonicalize_name(r.name): by_name[canonicalize_name(r.name)] for r in pending})
+                break
+            # pip names the first requirement it found no wheel for; that one comes from source
+            missing = next((r for r in pending if f"for {r}" in done.stderr or f"for {r.name}" in done.stderr), None)
+            if missing is None:
+                fetched.update({canonicalize_name(r.name): self.fetch(r, self.out) for r in pending})
+                break
+            fetched[canonicalize_name(missing.name)] = self.fetch(missing, self.out)
+            pending.remove(missing)
+        return fetched
+
     def add(self, roots: list[tuple[str, str]]) -> None:
-        """Breadth first from (requirement, who needs it), skipping what the target has."""
-        queue = [(Requirement(text), by) for text, by in roots]
-        while queue:
-            requirement, by = queue.pop(0)
-            name = canonicalize_name(requirement.name)
-            if name in self.target_has or not applies(requirement, self.environment):
-                continue
-            self.needed_by.setdefault(name, set()).add(by)
-            if name in self.wheels:
-                version = parse_wheel_filename(self.wheels[name].name)[1]
-                if requirement.specifier and not requirement.specifier.contains(version, prereleases=True):
-                    raise BundleError(f"{by} needs {requirement}, but {self.wheels[name].name} was taken for an "
-                                      f"earlier requirement ({', '.join(sorted(self.needed_by[name]))})")
-                continue
-            wheel = self.fetch(requirement, self.out)
-            self.wheels[name] = wheel
-            print(f"  {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB), for {by}", flush=True)
-            for child in wheel_requirements(wheel):
-                if child.marker is not None and "extra" in str(child.marker):
-                    continue  # optional extras are not installed
-                queue.append((child, name))
+        """Level by level from (requirement, who needs it), skipping what the target has."""
+        level = [(Requirement(text), by) for text, by in roots]
+        while level:
+            wanted: dict[str, Requirement] = {}
+            for requirement, by in level:
+                name = canonicalize_name(requirement.name)
+                if name in self.target_has or not applies(requirement, self.environment):
+                    continue
+                self.needed_by.setdefault(name, set()).add(by)
+                if name in self.wheels:
+                    version = parse_wheel_filename(self.wheels[name].name)[1]
+                    if requirement.specifier and not requirement.specifier.contains(version, prereleases=True):
+                        raise BundleError(f"{by} needs {requirement}, but {self.wheels[name].name} was taken for an "
+                                          f"earlier requirement ({', '.join(sorted(self.needed_by[name]))})")
+                    continue
+                earlier = wanted.get(name)
+                specifier = requirement.specifier if earlier is None else earlier.specifier & requirement.specifier
+                wanted[name] = Requirement(f"{requirement.name}{specifier}")
+            level = []
+            for name, wheel in self.fetch_many(list(wanted.values())).items():
+                self.wheels[name] = wheel
+                print(f"  {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB), for "
+                      f"{', '.join(sorted(self.needed_by[name]))}", flush=True)
+                for child in wheel_requirements(wheel):
+                    if child.marker is not None and "extra" in str(child.marker):
+                        continue  # optional extras are not installed
+                    level.append((child, name))
 
     def add_geotrain(self) -> Path:
         with tempfile.TemporaryDirectory() as directory:
