@@ -22,7 +22,7 @@ from pathlib import Path
 from geotrain.capacity import check_trainer_count
 from geotrain.config import ConfigError, GeotrainConfig, load_config
 from geotrain.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED, OperatorError,
-                             SwarmUnreachableError, UserError)
+                             StopRequested, SwarmUnreachableError, UserError)
 from geotrain.hive.admission_files import check_admission_files
 from geotrain.lab.command import add_lab_commands
 from geotrain.lifecycle import Stopper
@@ -221,10 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_peer(args: argparse.Namespace) -> int:
     config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, PEER_FLAGS])
+    if config.swarm.identity_path is not None:
+        from geotrain.hive.identity import check_identity_file  # hivemind
+
+        check_identity_file(config.swarm.identity_path, f"--identity {config.swarm.identity_path}")
     from geotrain.trainer import Trainer  # torch and hivemind: only for the commands that train
 
     stopper = Stopper().install_signal_handlers()
-    Trainer(config).run(stopper)
+    try:
+        Trainer(config).run(stopper)
+    except StopRequested:
+        logging.getLogger("geotrain").info("stopped before joining the swarm (%s)", stopper.reason)
     return stopper.exit_code if stopper.exit_code is not None else EXIT_OK
 
 
@@ -232,8 +239,13 @@ def run_coordinator(args: argparse.Namespace) -> int:
     config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, COORDINATOR_FLAGS])
     from geotrain.coordinator import Coordinator  # hivemind (and torch when it holds state)
 
+    coordinator = Coordinator(config, args.initial_peers_file)
+    coordinator.check_files()  # the state dir and the identity file: exit 2 before anything starts
     stopper = Stopper().install_signal_handlers()
-    Coordinator(config, args.initial_peers_file).run(stopper)
+    try:
+        coordinator.run(stopper)
+    except StopRequested:
+        logging.getLogger("geotrain").info("stopped before joining the swarm (%s)", stopper.reason)
     return EXIT_OK
 
 
@@ -284,7 +296,10 @@ def run_status_command(args: argparse.Namespace) -> int:
     from geotrain.telemetry.status import run_status  # hivemind: joins the DHT as a client
 
     stopper = Stopper().install_signal_handlers()
-    return run_status(config, once=args.once, as_json=args.json, interval_s=args.interval, stop=stopper.stop)
+    try:
+        return run_status(config, once=args.once, as_json=args.json, interval_s=args.interval, stop=stopper.stop)
+    except StopRequested:
+        return EXIT_OK
 
 
 def run_identity(args: argparse.Namespace) -> int:
@@ -339,7 +354,7 @@ def _run_handler(handler, args: argparse.Namespace, reap_children: bool = True) 
     except OperatorError as error:
         print(f"geotrain {args.command}: {error}", file=sys.stderr)
         return EXIT_UNEXPECTED
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, StopRequested):
         return EXIT_OK
     except Exception:
         logging.getLogger("geotrain").exception("geotrain %s failed unexpectedly", args.command)

@@ -31,6 +31,7 @@ from geotrain.checkpoint import CheckpointStore
 from geotrain.config import GeotrainConfig
 from geotrain.errors import SwarmUnreachableError, UserError
 from geotrain.hive.dht import connected_peer_addresses, start_dht, visible_addresses
+from geotrain.hive.identity import check_identity_file
 from geotrain.hive.keys import swarm_epoch_and_trainers
 from geotrain.hive.metric_records import read_records
 from geotrain.hive.optimizer import build_hivemind_optimizer
@@ -228,21 +229,35 @@ class Coordinator:
         self.state_dir = config.coordinator.state_dir
         self.initial_peers_file = initial_peers_file
 
-    def run(self, stopper: Stopper) -> None:
-        config = self.config
-        stop = stopper.stop
-        swarm = config.swarm.model_copy(update={"port": config.coordinator_port()})
-        if swarm.identity_path is None:
-            swarm = swarm.model_copy(update={"identity_path": self.state_dir / "identity.key"})
+    @property
+    def identity_path(self) -> Path:
+        """``--identity`` if given, else ``STATE_DIR/identity.key``: the key behind the coordinator's peer id."""
+        return self.config.swarm.identity_path or self.state_dir / "identity.key"
+
+    def check_files(self) -> None:
+        """Refuse, before anything starts, a state dir or join-address file that cannot be written and an
+        identity file that cannot be used (a missing one is made when the DHT starts)."""
         check_writable_directory(self.state_dir, "--state-dir")
         if self.initial_peers_file is not None:
             check_writable_directory(self.initial_peers_file.parent, "--initial-peers-file")
+        if self.config.swarm.identity_path is not None:
+            label = f"--identity {self.identity_path}"
+        else:
+            label = f"{self.identity_path} (the coordinator's identity, kept in --state-dir)"
+        check_identity_file(self.identity_path, label)
+
+    def run(self, stopper: Stopper) -> None:
+        config = self.config
+        stop = stopper.stop
+        swarm = config.swarm.model_copy(update={"port": config.coordinator_port(),
+                                                "identity_path": self.identity_path})
+        self.check_files()
         metrics = SwarmMetrics(swarm.run_id, config.metrics)
         durable = DurableState(config, self.state_dir, metrics) if config.coordinator.hold_state else None
         view = SwarmView(config.cost, config.optimizer.target_batch_size,  # reads the price files
                          config.metrics.target_epoch or config.training.max_epochs)
         metrics_port = metrics.serve(config.metrics)
-        dht = self._rejoin_or_start(swarm)
+        dht = self._rejoin_or_start(swarm, stop)
         progress = PeerProgress()
         reporter = MetricsReporter(dht, swarm.run_id, "coordinator", config.metrics, progress)
         try:
@@ -297,16 +312,16 @@ class Coordinator:
             temporary.write_text("\n".join(addresses) + "\n")
             temporary.rename(self._known_peers_path)
 
-    def _rejoin_or_start(self, swarm):
+    def _rejoin_or_start(self, swarm, stop=None):
         """After a restart the trainers do not dial the coordinator again: it dials the peers it knew."""
         known = self._known_peers_path.read_text().split() if self._known_peers_path.exists() else []
         if known:
             try:
-                return start_dht(swarm.model_copy(update={"initial_peers": swarm.initial_peers + known}))
+                return start_dht(swarm.model_copy(update={"initial_peers": swarm.initial_peers + known}), stop)
             except SwarmUnreachableError:
                 logger.info("none of the %d peers seen before the restart answered; waiting for new ones",
                             len(known))
-        return start_dht(swarm)
+        return start_dht(swarm, stop)
 
     def _announce(self, visible: list[str], announce_host: str | None) -> None:
         addresses = public_addresses(visible, announce_host)

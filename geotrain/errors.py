@@ -3,6 +3,8 @@
 - :class:`UserError` (exit 2): something the user must fix (a config key, a path, a port, a file). The
   shipped systemd unit does not restart on it: restarting cannot help.
 - :class:`SwarmUnreachableError` (exit 3): no peer of the swarm answered; worth retrying later.
+- :class:`StopRequested` (exit 0, or the stop request's own code such as 75): a stop (SIGINT, SIGTERM, a
+  preemption notice) came while the command was still joining the swarm; it leaves at once.
 - 75: a trainer left after a preemption notice (:data:`geotrain.preemption.EXIT_PREEMPTED`).
 - 143: a stop did not finish within its deadline and the watchdog ended the process.
 - 1: :class:`OperatorError` (something outside the command failed, e.g. a bucket that cannot be read;
@@ -28,3 +30,8 @@ class SwarmUnreachableError(RuntimeError):
 
 class OperatorError(RuntimeError):
     """Something outside this command failed (storage, network); the message says what to check (exit 1)."""
+
+
+class StopRequested(Exception):
+    """A stop was requested before the command had joined the swarm (it ends as the stop request says, 0 by
+    default): Ctrl-C while a peer waits for its initial peers is a request to stop, not a failed join."""

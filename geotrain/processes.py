@@ -139,6 +139,27 @@ def remove_shared_memory_left(descendant_pids: set[int]) -> list[str]:
     return removed
 
 
+def start_shared_memory_manager() -> None:
+    """Start this process's ``torch_shm_manager`` now, with SIGINT and SIGTERM held back until it answers.
+
+    torch starts it at the first tensor this process shares through a file (hivemind's first future, made when
+    the DHT starts), then reads the manager's first words from a pipe. A signal caught during that read (Ctrl-C
+    while a peer begins to join) makes torch 2.x retry the failed read's result forever instead of reading
+    again: the peer spun at 100% CPU, holding the GIL, deaf to more signals and to the stop watchdog. Blocked
+    here, the signal waits until the manager is up and is handled right after. (The manager inherits the mask,
+    so these two signals stay pending in it; it exits by itself once its clients are gone, see
+    :func:`is_shared_memory_manager`.)
+    """
+    import torch  # (only commands that join a swarm get here; they have torch)
+
+    blocked = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        torch.empty(1, dtype=torch.uint8).share_memory_()  # with hivemind's strategy, file_system: the manager
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def remember_descendants() -> None:
     """Note this process's descendants now (hivemind's processes, once started), so that what they shared is
     removed on the way out even when they end before it (:func:`remove_shared_memory_left`)."""

@@ -138,7 +138,7 @@ class Trainer:
         stop = stopper.stop
         metrics_port = self.metrics.serve(config.metrics)
         watcher = start_watcher(config.preemption, lambda notice: self._on_notice(notice, stopper))
-        dht = start_dht(config.swarm)
+        dht = start_dht(config.swarm, stop)  # Ctrl-C while joining: StopRequested, exit 0
         peer_id = str(dht.peer_id)
         logger.info("joined swarm %r as %s (listening on %s); training on %s; data order seed %d",
                     config.swarm.run_id, peer_id, ", ".join(visible_addresses(dht)) or "client mode",

@@ -89,7 +89,7 @@ def format_table(run_id: str, snapshot, rows: list[StatusRow]) -> str:
 
 def run_status(config: GeotrainConfig, once: bool, as_json: bool, interval_s: float, stop) -> int:
     run_id = config.swarm.run_id
-    dht = start_dht(config.swarm.model_copy(update={"client_mode": True, "port": 0}))
+    dht = start_dht(config.swarm.model_copy(update={"client_mode": True, "port": 0}), stop)
     view = SwarmView(config.cost, config.optimizer.target_batch_size,
                      config.metrics.target_epoch or config.training.max_epochs)
     try:
