@@ -45,6 +45,9 @@ class GeotrainCommandLine:
                 started.update(config=config, state_dir=config.coordinator.state_dir,
                                initial_peers_file=initial_peers_file)
 
+            def check_files(self):
+                pass  # the VM's state dir and key, not this machine's
+
             def run(self, stopper):
                 pass
 
@@ -57,7 +60,8 @@ class GeotrainCommandLine:
 
         with mock.patch("geotrain.trainer.Trainer", Trainer), \
                 mock.patch("geotrain.coordinator.Coordinator", Coordinator), \
-                mock.patch("geotrain.cli.Stopper", Stopper):
+                mock.patch("geotrain.cli.Stopper", Stopper), \
+                mock.patch("geotrain.hive.identity.check_identity_file", lambda *_: None):  # the VM's key file
             cli.HANDLERS[self.args.command](self.args)
         self.config = started["config"]
         self.state_dir = started.get("state_dir")
