@@ -18,7 +18,9 @@ from geotrain.events import read_events
 from swarm_helpers import FAST_SWARM, last_epoch, wait_for
 
 INNER_STEPS = 8
-EPOCHS = 8
+# Room after the freeze: the others go on while the frozen trainer wakes, notices and resyncs; with 8 epochs
+# they could reach the end first (seen in 2 of 3 fresh runs), leaving it no round after its resync to show.
+EPOCHS = 12
 
 
 def _finished(events_path):
@@ -53,7 +55,9 @@ def test_a_trainer_frozen_for_a_round_takes_the_majoritys_outer_state_and_all_en
     assert resynced and resynced[0]["state_epoch"] > epoch_frozen, swarm.log("b")[-3000:]
     rounds_after = [e for e in read_events(frozen_events) if e["event"] == "outer_round"
                     and e["time"] > resynced[0]["time"]]
-    assert any(e["result"] == "ok" and e["group_size"] >= 2 for e in rounds_after), rounds_after
+    assert any(e["result"] == "ok" and e["group_size"] >= 2 for e in rounds_after), (
+        f"frozen at epoch {epoch_frozen}, resynced {resynced[0]}; rounds after it: {rounds_after}; the others' last "
+        f"epochs: {[last_epoch(events) for _, events in trainers.values()]}")
 
     swarm.stop()  # the coordinator: its last checkpoint holds the outer optimizer (DiLoCo's momentum)
     state, info = CheckpointStore(tmp_path / "coord" / "checkpoints").load_latest()
