@@ -239,8 +239,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, COORDINATOR_FLAGS])
     from geotrain.coordinator import Coordinator  # hivemind (and torch when it holds state)
 
-    coordinator = Coordinator(config, args.initial_peers_file)
-    coordinator.check_files()  # the state dir and the identity file: exit 2 before anything starts
+    coordinator = Coordinator(config, args.initial_peers_file)  # run() checks its files before anything starts
     stopper = Stopper().install_signal_handlers()
     try:
         coordinator.run(stopper)

@@ -45,9 +45,6 @@ class GeotrainCommandLine:
                 started.update(config=config, state_dir=config.coordinator.state_dir,
                                initial_peers_file=initial_peers_file)
 
-            def check_files(self):
-                pass  # the VM's state dir and key, not this machine's
-
             def run(self, stopper):
                 pass
 
