@@ -278,7 +278,6 @@ def run_local(args: argparse.Namespace) -> int:
     except PrometheusNotInstalled as error:
         print(f"geotrain local: --prometheus: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    swarm.check_outputs(json_path=args.json)
     # Ctrl-C and SIGTERM stop the local swarm (exit 0: stopped on request), also when this process was started
     # with SIGINT ignored (a background job of a non-interactive shell inherits that, and Python then keeps it)
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -106,15 +106,11 @@ class LocalSwarm:
               f"swarm console: {self.prometheus.console_url}", flush=True)
 
     # --- the run ---------------------------------------------------------------------------
-    def check_outputs(self, json_path: Path | None = None) -> None:
-        """:class:`~geotrain.errors.UserError` if the run directory or the summary cannot be written as asked."""
-        check_outputs(self.run_dir, json_path)
-
     def run(self, json_path: Path | None = None) -> int:
         """Exit code: 0 when every trainer finished its epochs or the run was stopped on request (Ctrl-C,
         SIGTERM), 1 when a trainer failed or the swarm stopped short; the run directory's earlier run is
         removed first (:mod:`geotrain.run_dir`)."""
-        self.check_outputs(json_path)  # before anything starts, and before anything is removed
+        check_outputs(self.run_dir, json_path)  # before anything starts, and before anything is removed
         lock = lock_run_dir(self.run_dir)
         try:
             removed = clear_previous_run(self.run_dir, json_path)
