@@ -24,7 +24,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from swarm_helpers import processes_mentioning
+from swarm_helpers import processes_mentioning, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELHOUSE = ROOT / "benchmarks" / "gpu" / "wheelhouse.py"
@@ -161,7 +161,14 @@ def test_run_sh_installs_the_bundle_with_no_network_and_runs_the_benchmark(wheel
     with tarfile.open(out / "logs.tar.gz") as logs:
         assert any(name.endswith("peer-0.jsonl") for name in logs.getnames())
     assert hashlib.sha256(COMMITTED_RESULTS.read_bytes()).hexdigest() == committed, "smoke wrote over results"
-    assert not processes_mentioning(str(tmp_path)), "a process of the benchmark outlived it"
+    # torch's shared memory manager (a binary of the emulated machine's torch, under tmp_path) exits by itself
+    # once the peers it served are gone, a moment after them: seen still alive right after run.sh on a busy CPU
+    survivors = []
+    try:
+        wait_for(lambda: not processes_mentioning(str(tmp_path)), 10, "the benchmark's processes to end")
+    except AssertionError:
+        survivors = [describe(pid) for pid in processes_mentioning(str(tmp_path))]
+    assert not survivors, f"processes of the benchmark outlived it by 10 s: {survivors}"
 
 
 def test_run_sh_without_a_bundle_or_with_one_for_another_python_exits_3(wheelhouse, tmp_path):
@@ -207,3 +214,10 @@ def test_wheelhouse_refuses_a_package_list_it_cannot_read(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "cannot read it" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "b").exists(), "nothing is downloaded for a list it cannot read"
+
+
+def describe(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return f"{pid} (gone)"
