@@ -1,11 +1,17 @@
-"""A gradient round the swarm has already had without this peer: give it up rather than wait it out.
+"""A gradient round no group will form for: give it up rather than wait out the averaging timeout.
 
-A peer that is still looking for a group when the others' progress records show they have stepped past the
-round's epoch will find no group for it: hivemind's matchmaking retries until the averaging timeout (180 s
-in the ``continent`` network profile, 600 s ``intercontinental``), or it joins the swarm's next round and
-ends it an epoch behind. Seen in the lab at the end of a run: a trainer one epoch behind waited the whole
-timeout in a round no one else was left to join. :func:`watch_round` cancels such a round; the optimizer
-then loads the swarm's state (:meth:`geotrain.hive.optimizer.MeasuredOptimizer._should_load_state_from_peers`).
+Two cases, both read from the swarm's progress records while the round looks for a group:
+
+- **Missed**: the others have stepped past the round's epoch. hivemind's matchmaking retries until the averaging
+  timeout (180 s in the ``continent`` network profile, 600 s ``intercontinental``), or it joins the swarm's next
+  round and ends it an epoch behind. Seen in the lab at the end of a run: a trainer one epoch behind waited the
+  whole timeout in a round no one else was left to join. The optimizer then loads the swarm's state
+  (:meth:`geotrain.hive.optimizer.MeasuredOptimizer._should_load_state_from_peers`).
+- **Alone**: this peer's own record is there and no other trainer's is (the others left, said goodbye or
+  expired). hivemind starts a round when its tracker counted others at the step, but its view is paused during
+  a round and seconds old before it. Seen in tests/integration/test_preemption.py: the last two trainers, one
+  preempted; the one that stayed waited 30 s (the whole averaging timeout) in each of its next two rounds. The
+  peer steps with its own gradients, as hivemind does when it sees no other peer.
 """
 
 from __future__ import annotations
@@ -17,26 +23,43 @@ from typing import Callable
 
 from hivemind.averaging.control import AveragingStage
 
+from geotrain.hive.keys import read_progress
+
 logger = logging.getLogger(__name__)
 
+MISSED = "missed"
+ALONE = "alone"
 
-def watch_round(control, swarm_has_moved_on: Callable[[], bool], period_s: float,
-                on_given_up: Callable[[], None]) -> threading.Thread:
-    """Cancel ``control`` while it looks for a group, once ``swarm_has_moved_on()``; a daemon thread.
 
-    Looks every ``period_s`` until the round has a group or ended. ``on_given_up`` runs after the cancel.
+def reason_to_give_up(dht, run_id: str, own_peer_id: str, past_epoch: int) -> str | None:
+    """:data:`MISSED` when a trainer's progress record is at ``past_epoch`` or beyond, :data:`ALONE` when this
+    peer's own record is the only one, else None. A failed read shows no record at all, this peer's included:
+    no reason."""
+    progress = read_progress(dht, run_id)
+    if any(record.epoch >= past_epoch for record in progress.values()):
+        return MISSED
+    if set(progress) == {own_peer_id}:
+        return ALONE
+    return None
+
+
+def watch_round(control, reason_to_give_up: Callable[[], str | None], period_s: float,
+                on_given_up: Callable[[str], None]) -> threading.Thread:
+    """Cancel ``control`` while it looks for a group, once ``reason_to_give_up()`` gives a reason; a daemon thread.
+
+    Looks every ``period_s`` until the round has a group or ended. ``on_given_up(reason)`` runs after the cancel.
     A round that has its group is left alone: the others are in it with this peer.
     """
     def watch() -> None:
         while not control.done() and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
             try:
-                moved_on = swarm_has_moved_on()
+                reason = reason_to_give_up()
             except Exception as error:  # a failed look-up is no reason to give a round up; look again
                 logger.debug("could not read the swarm's progress: %s", error)
-                moved_on = False
-            if moved_on and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+                reason = None
+            if reason is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
                 control.cancel()
-                on_given_up()
+                on_given_up(reason)
                 return
             time.sleep(period_s)
 

@@ -19,9 +19,9 @@ from geotrain.config import GeotrainConfig
 from geotrain.hive.diloco import OuterStateAverager, diloco_optimizer_class
 from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm_token
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
-from geotrain.hive.keys import read_progress, swarm_epoch_and_trainers
+from geotrain.hive.keys import read_progress
 from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
-from geotrain.hive.missed_round import watch_round
+from geotrain.hive.missed_round import ALONE, MISSED, reason_to_give_up, watch_round
 from geotrain.hive.part_reducer import install as install_part_reducer_fix
 from geotrain.hive.powersgd import PowerSGDKeepingAverager
 from geotrain.hive.quantization import install as install_quantization_decoder
@@ -397,7 +397,7 @@ class MeasuredOptimizer(hivemind.Optimizer):
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         started = time.perf_counter()
         self._round_being_used = maybe_step_control
-        given_up = []
+        given_up = []  # (epoch, reason) of a round given up by the watch
         if maybe_step_control is not None:
             self._watch_for_a_missed_round(maybe_step_control, given_up)
         try:
@@ -408,9 +408,13 @@ class MeasuredOptimizer(hivemind.Optimizer):
             return
         result = averaging_round_result(maybe_step_control)
         duration_s = time.perf_counter() - started
-        if given_up:
+        if given_up and given_up[0][1] == ALONE:
+            result = ALONE
+            logger.info("gave up the gradient averaging round of epoch %d after %.1f s: no other trainer is left in "
+                        "the swarm; this peer stepped with its own gradients", given_up[0][0], duration_s)
+        elif given_up:
             logger.info("gave up the gradient averaging round of epoch %d after %.1f s: the swarm had stepped past "
-                        "it without this peer", given_up[0], duration_s)
+                        "it without this peer", given_up[0][0], duration_s)
             if not self.delay_grad_averaging:  # (with it, this epoch's state round has begun already)
                 self.state_averager.skip_averaging_round = True  # the next step loads the swarm's state
         elif result != "ok":
@@ -421,22 +425,23 @@ class MeasuredOptimizer(hivemind.Optimizer):
             self.on_averaging_round(result, duration_s)
 
     def _watch_for_a_missed_round(self, control, given_up: list) -> None:
-        """Give ``control`` up while it looks for a group the swarm no longer forms (:mod:`.missed_round`).
+        """Give ``control`` up while it looks for a group the swarm no longer forms (:mod:`.missed_round`):
+        appends (the round's epoch, the reason) to ``given_up``.
 
         Without delayed updates the others move to the next epoch when their round has ended; with them, when
         it starts (and this peer's epoch has moved on already), so only two epochs on means it is over.
         """
         round_epoch = self.local_epoch - 1 if self.delay_grad_averaging else self.local_epoch
         past_it = round_epoch + (2 if self.delay_grad_averaging else 1)
+        own_peer_id = str(self.dht.peer_id)
 
-        def swarm_has_moved_on() -> bool:
-            return swarm_epoch_and_trainers(self.dht, self.run_id)[0] >= past_it
+        def on_given_up(reason: str) -> None:
+            given_up.append((round_epoch, reason))
+            if reason == MISSED:
+                self._missed_round_of_epoch = round_epoch
 
-        def on_given_up() -> None:
-            given_up.append(round_epoch)
-            self._missed_round_of_epoch = round_epoch
-
-        watch_round(control, swarm_has_moved_on, self.missed_round_check_s, on_given_up)
+        watch_round(control, partial(reason_to_give_up, self.dht, self.run_id, own_peer_id, past_it),
+                    self.missed_round_check_s, on_given_up)
 
     def _load_local_gradients_into_optimizer(self):
         """hivemind's fallback to local gradients, with this peer's kept gradients when its round had started."""

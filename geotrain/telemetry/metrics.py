@@ -29,7 +29,8 @@ class MetricsPortError(UserError):
 
 # Averaging rounds take well under a second on a LAN and tens of seconds between continents.
 AVERAGING_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
-ROUND_RESULTS = ("ok", "failed", "timeout")
+# alone: given up because no other trainer was left to average with (geotrain.hive.missed_round)
+ROUND_RESULTS = ("ok", "failed", "timeout", "alone")
 
 
 class _Metrics:
@@ -107,7 +108,7 @@ class PeerMetrics(_Metrics):
         self.granularity = gauge("geotrain_granularity", "Compute time over communication time, last epoch")
         self.averaging_rounds = counter("geotrain_averaging_rounds", "Gradient averaging rounds by result",
                                         ("result",))
-        for result in ROUND_RESULTS:  # all three series exist from the start, so rates work at once
+        for result in ROUND_RESULTS:  # every series exists from the start, so rates work at once
             self.labelled(self.averaging_rounds, result=result)
         self.averaging_duration = Histogram(
             "geotrain_averaging_duration_seconds", "Time this peer waited for a gradient averaging round to end",

@@ -29,7 +29,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from geotrain.config import load_config
 from geotrain.hive.keys import progress_key, read_progress, swarm_epoch_and_trainers
-from geotrain.hive.missed_round import watch_round
+from geotrain.hive.missed_round import reason_to_give_up, watch_round
 from optimizer_pair import optimizer_pair
 from waiting import wait_until
 
@@ -120,12 +120,12 @@ def test_a_round_looking_for_a_group_the_swarm_has_stepped_past_is_given_up(trai
     donor_moves_to_epoch_one(donor)  # the swarm had its round of epoch 0 without this peer
 
     wait_until(control.cancelled, "the round to be given up")
-    assert given_up == [0] and optimizer._missed_round_of_epoch == 0
+    assert given_up == [(0, "missed")] and optimizer._missed_round_of_epoch == 0
 
 
 def test_a_round_that_has_its_group_is_left_alone():
     control, moved_on = looking_for_a_group(), threading.Event()
-    watch_round(control, moved_on.is_set, period_s=0.1, on_given_up=lambda: None)
+    watch_round(control, lambda: "missed" if moved_on.is_set() else None, period_s=0.1, on_given_up=lambda _: None)
     control.stage = AveragingStage.AWAITING_TRIGGER  # the others are in it with this peer
     moved_on.set()
     time.sleep(0.5)
@@ -253,6 +253,10 @@ class OtherTrainer:
         assert self.dht.store(progress_key(RUN_ID), subkey=self.subkey, value=progress.dict(),
                               expiration_time=get_dht_time() + 60)
 
+    def says_goodbye(self) -> None:
+        """The empty record a leaving trainer stores (geotrain.hive.leave)."""
+        assert self.dht.store(progress_key(RUN_ID), subkey=self.subkey, value=None, expiration_time=get_dht_time() + 61)
+
     def shutdown(self) -> None:
         self.dht.shutdown()
 
@@ -337,3 +341,43 @@ def test_a_load_next_to_a_single_other_trainer_does_not_wait_for_a_step_that_nee
     with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
         optimizer.load_state_from_peers()
     assert "waiting for its step" not in caplog.text and optimizer.local_epoch == 0
+
+
+def test_a_round_of_the_last_trainer_left_is_given_up_at_once_and_it_steps_with_its_own_gradients(
+        trainers, other_trainers, caplog):
+    # seen in tests/integration/test_preemption.py: the other trainer of two left while this one's round began
+    # (hivemind's tracker still counted it); the round looked for a group for the whole averaging timeout
+    _, (model, optimizer) = trainers
+    other = other_trainers()
+    other.reports(epoch=0, samples=32)
+    optimizer.tracker.report_local_progress(0, 32)
+    own = str(optimizer.dht.peer_id)
+    wait_until(lambda: set(read_progress(optimizer.dht, RUN_ID)) == {own, str(other.dht.peer_id)}, "both records")
+    rounds = []
+    optimizer.on_averaging_round = lambda result, duration_s: rounds.append(result)
+    control = looking_for_a_group()
+    control.allow_allreduce()  # as hivemind's optimizer does when it begins the round
+    backward(model)
+    expected = [p.grad.clone() for p in model.parameters()]
+    optimizer.grad_averager.accumulate_grads_(batch_size=32)
+    averaging = threading.Thread(target=optimizer._average_gradients_and_load_into_optimizer, args=(control,))
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+        averaging.start()
+        time.sleep(2 * optimizer.missed_round_check_s)
+        assert averaging.is_alive(), "given up while another trainer was in the swarm"
+
+        other.says_goodbye()
+        averaging.join(timeout=4 * optimizer.missed_round_check_s + 5)
+    assert not averaging.is_alive(), "the round still looks for a group"
+    assert control.cancelled() and rounds == ["alone"]
+    assert "no other trainer is left" in caplog.text
+    assert optimizer._missed_round_of_epoch is None, "it would load a state no one is left to give"
+    assert not optimizer.state_averager.skip_averaging_round
+    applied = [p.grad for p in optimizer.state_averager.main_parameters]
+    assert all(torch.allclose(a, e) for a, e in zip(applied, expected)), "not this peer's own gradients"
+
+
+def test_a_failed_read_of_the_records_is_no_reason_to_give_a_round_up(trainers):
+    _, (_, optimizer) = trainers  # no record yet: this peer's own is missing too, as when a read fails
+    assert read_progress(optimizer.dht, RUN_ID) == {}
+    assert reason_to_give_up(optimizer.dht, RUN_ID, str(optimizer.dht.peer_id), past_epoch=1) is None
