@@ -112,6 +112,9 @@ PEER_FLAGS = {
                          {"type": int, "metavar": "N",
                           "help": "before the first step, wait until N trainers (this one included) are in the swarm"}),
     "--threads": ("training.threads", {"type": int, "help": "torch CPU threads (default: torch's choice)"}),
+    "--initial-peers-file": ("swarm.initial_peers_file",
+                             {"metavar": "PATH", "help": "wait for the file the coordinator's --initial-peers-file "
+                                                         "writes and join through its addresses"}),
 }
 COORDINATOR_FLAGS = {
     "--state-dir": ("coordinator.state_dir", {"metavar": "PATH",

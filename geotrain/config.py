@@ -196,6 +196,9 @@ class SwarmConfig(_Strict):
                         description="Name of the training run; peers with the same run_id train one model.")
     initial_peers: list[str] = Field(default_factory=list,
                                      description="Multiaddrs of peers already in the swarm, e.g. the coordinator's.")
+    initial_peers_file: Path | None = Field(
+        None, description="A trainer waits (up to bootstrap_timeout_s) for this file of addresses, written by "
+                          "`geotrain coordinator --initial-peers-file`, and joins through them too.")
     host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 on a cloud VM.")
     port: int = Field(0, ge=0, le=65535, description="TCP port to listen on; 0 picks a free one.")
     announce_host: str | None = Field(None, description="Public address others dial (behind 1:1 NAT).")

@@ -81,8 +81,16 @@ class ProcessLauncher:
     def start_coordinator(self, arguments: list[str], peers_file: Path,
                           timeout_s: float = COORDINATOR_START_TIMEOUT_S) -> list[str]:
         """Spawn the coordinator and return the join addresses it writes to ``peers_file``."""
+        return self.wait_for_coordinator(self.spawn_coordinator(arguments, peers_file), peers_file, timeout_s)
+
+    def spawn_coordinator(self, arguments: list[str], peers_file: Path) -> PeerProcess:
+        """Spawn the coordinator, which writes its join addresses to ``peers_file`` once it listens."""
         peers_file.unlink(missing_ok=True)  # one left by an earlier run is not this coordinator's address
-        coordinator = self.spawn(COORDINATOR, arguments)
+        return self.spawn(COORDINATOR, arguments)
+
+    def wait_for_coordinator(self, coordinator: PeerProcess, peers_file: Path,
+                             timeout_s: float = COORDINATOR_START_TIMEOUT_S) -> list[str]:
+        """The join addresses in ``peers_file``; LaunchError when the coordinator exits or is not up in time."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if peers_file.exists():

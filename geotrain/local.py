@@ -69,23 +69,27 @@ class LocalSwarm:
             self.prometheus = PrometheusServer(self.run_dir / "prometheus", port=prometheus_port or ports[-1])
 
     # --- processes -------------------------------------------------------------------------
-    def _start_coordinator(self, config_path: Path) -> list[str]:
-        return self.launcher.start_coordinator(
+    def _start_coordinator(self, config_path: Path) -> PeerProcess:
+        return self.launcher.spawn_coordinator(
             ["coordinator", "--config", str(config_path), "--port", "0",
              "--state-dir", str(self.run_dir / "coordinator"),
-             "--initial-peers-file", str(self.run_dir / "initial_peers.txt"), *self._metrics_arguments("coordinator")],
-            self.run_dir / "initial_peers.txt")
+             "--initial-peers-file", str(self.peers_file), *self._metrics_arguments("coordinator")],
+            self.peers_file)
 
-    def _start_trainers(self, config_path: Path, initial_peers: list[str]) -> list[PeerProcess]:
+    @property
+    def peers_file(self) -> Path:
+        return self.run_dir / "initial_peers.txt"
+
+    def _start_trainers(self, config_path: Path) -> list[PeerProcess]:
+        """Started with the coordinator, not after it: each loads torch and builds its model meanwhile, then
+        waits for the coordinator's address in its peers file (--initial-peers-file)."""
         threads = max(1, (os.cpu_count() or 1) // self.peers)
         trainers = []
         for index in range(self.peers):
             events_path = self.run_dir / f"peer-{index}.jsonl"
             arguments = ["peer", "--config", str(config_path), "--events", str(events_path), "--preemption", "signal",
                          "--data-seed", str(index + 1), "--wait-for-peers", str(self.peers),
-                         "--threads", str(threads)]
-            for address in initial_peers:
-                arguments += ["--initial-peers", address]
+                         "--threads", str(threads), "--initial-peers-file", str(self.peers_file)]
             arguments += self._metrics_arguments(f"peer-{index}")
             trainers.append(self.launcher.spawn(f"peer-{index}", arguments, events_path, threads))
         return trainers
@@ -130,8 +134,9 @@ class LocalSwarm:
         try:
             if self.prometheus is not None:
                 self._start_prometheus()
-            initial_peers = self._start_coordinator(config_path)
-            trainers = self._start_trainers(config_path, initial_peers)
+            coordinator = self._start_coordinator(config_path)
+            trainers = self._start_trainers(config_path)
+            self.launcher.wait_for_coordinator(coordinator, self.peers_file)
             self._follow(trainers)
         except KeyboardInterrupt:
             interrupted = True

@@ -44,6 +44,7 @@ from geotrain.hive.leave import leave_swarm, stop_offering_state, withdraw_from_
 from geotrain.hive.guard import GuardReport
 from geotrain.hive.optimizer import build_hivemind_optimizer
 from geotrain.hive.state import current_learning_rate, parameters_sha256
+from geotrain.initial_peers_file import wait_for_initial_peers
 from geotrain.lifecycle import Stopper
 from geotrain.preemption import EXIT_PREEMPTED, start_watcher
 from geotrain.tasks import build_task
@@ -138,6 +139,10 @@ class Trainer:
         stop = stopper.stop
         metrics_port = self.metrics.serve(config.metrics)
         watcher = start_watcher(config.preemption, lambda notice: self._on_notice(notice, stopper))
+        if config.swarm.initial_peers_file is not None:  # started next to its coordinator: wait for its address
+            addresses = wait_for_initial_peers(config.swarm.initial_peers_file, config.swarm.bootstrap_timeout_s, stop)
+            swarm = config.swarm.model_copy(update={"initial_peers": [*config.swarm.initial_peers, *addresses]})
+            self.config = config = config.model_copy(update={"swarm": swarm})
         dht = start_dht(config.swarm, stop)  # Ctrl-C while joining: StopRequested, exit 0
         peer_id = str(dht.peer_id)
         logger.info("joined swarm %r as %s (listening on %s); training on %s; data order seed %d",
