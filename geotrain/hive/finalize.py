@@ -68,16 +68,36 @@ def _wait_for_followers(dht, run_id: str, peer_id: str, sha256: str, epoch: int,
         synced = {pid for pid, r in records.items() if r.get("role") == "synced" and r["sha256"] == sha256}
         others |= {pid for pid, r in records.items() if r.get("epoch", -1) >= epoch and r.get("role") == "candidate"}
         # (a peer past the last epoch trains on, under another max_epochs or none: it takes no part here)
-        others |= {pid for pid, p in read_progress(dht, run_id).items() if epoch - 1 <= p.epoch <= epoch}
+        progress = read_progress(dht, run_id)
+        others |= {pid for pid, p in progress.items() if epoch - 1 <= p.epoch <= epoch}
         others -= excluded | not_followers
-        enough = len(synced - not_followers) >= expected_peers - len(not_followers) - len(excluded) or \
-            time.monotonic() > settle_deadline
+        wanted = followers_wanted(expected_peers, set(progress), synced, peer_id, not_followers, excluded)
+        enough = len(synced - not_followers) >= wanted or time.monotonic() > settle_deadline
         if others <= synced and enough:
             return True
         time.sleep(POLL_S)
     logger.warning("%d peers did not take the final state in time",
                    max(len(others - synced), expected_peers - 1 - len(synced)))
     return False
+
+
+def followers_wanted(expected_peers: int, progress_peers: set[str], synced: set[str], own: str,
+                     not_followers: set[str], excluded: set[str]) -> int:
+    """How many followers must hold the final state before the settle time is up: the trainers the swarm counted
+    in its last epoch, but no more than have a progress record now or took the state. A trainer counted then that
+    died or left since is not waited for (it cost the whole settle time, up to 30 s, at the end of a run that
+    lost a trainer). A read without this peer's own record (a failed read) changes nothing."""
+    wanted = expected_peers - len(not_followers) - len(excluded)
+    if own in progress_peers:
+        wanted = min(wanted, len((progress_peers | synced) - not_followers - excluded))
+    return wanted
+
+
+def still_in_the_last_round(progress_epochs: dict[str, int], excluded: set[str], epoch: int) -> set[str]:
+    """Peers one epoch behind by their progress records: still in the last round, about to finish too. A peer
+    further behind is not (it loads the state when it steps, and finishes on its own), nor is a dead one whose
+    record still shows the epoch it died in, an epoch or more before the last round."""
+    return {pid for pid, peer_epoch in progress_epochs.items() if peer_epoch == epoch - 1 and pid not in excluded}
 
 
 def not_heard_from(progress_epochs: dict[str, int], records: dict[str, dict], candidates: set[str],
@@ -125,9 +145,8 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
     # everyone picks the same finalizer. A peer that is later still is left to finish on its own.
     laggards_deadline = time.monotonic() + timeout_s
     while True:
-        excluded = banned()
-        progress = read_progress(dht, run_id)
-        behind = [pid for pid, p in progress.items() if p.epoch < epoch and pid not in excluded]
+        behind = still_in_the_last_round({pid: p.epoch for pid, p in read_progress(dht, run_id).items()}, banned(),
+                                         epoch)
         if not behind or time.monotonic() > laggards_deadline:
             break
         time.sleep(POLL_S)

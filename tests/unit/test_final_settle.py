@@ -1,8 +1,9 @@
-"""Who the end-of-run agreement waits for before it picks the finalizer (geotrain.hive.finalize.not_heard_from)."""
+"""Who the end-of-run agreement waits for (geotrain.hive.finalize): before it picks the finalizer
+(not_heard_from, still_in_the_last_round), and while the finalizer serves its state (followers_wanted)."""
 
 from __future__ import annotations
 
-from geotrain.hive.finalize import not_heard_from
+from geotrain.hive.finalize import followers_wanted, not_heard_from, still_in_the_last_round
 
 LAST_EPOCH = 10
 
@@ -24,3 +25,21 @@ def test_candidates_banned_peers_and_peers_behind_are_not_waited_for():
 
 def test_a_peer_past_the_last_epoch_trains_on_and_is_not_waited_for():
     assert not_heard_from({"me": LAST_EPOCH, "on": LAST_EPOCH + 1}, {}, {"me"}, set(), LAST_EPOCH) == set()
+
+
+def test_only_peers_one_epoch_behind_are_waited_for_as_still_in_the_last_round():
+    # a trainer killed two epochs before the end leaves its record at its old epoch until it expires
+    progress = {"me": LAST_EPOCH, "in the round": LAST_EPOCH - 1, "dead": LAST_EPOCH - 2, "banned": LAST_EPOCH - 1}
+    assert still_in_the_last_round(progress, {"banned"}, LAST_EPOCH) == {"in the round"}
+
+
+def test_a_trainer_counted_in_the_last_epoch_whose_record_is_gone_is_not_waited_for():
+    # the swarm counted three trainers; one died since: its record expired
+    assert followers_wanted(3, {"me", "alive"}, set(), "me", {"me"}, set()) == 1
+    assert followers_wanted(3, {"me", "alive", "slow"}, set(), "me", {"me"}, set()) == 2
+    # one that took the state and left (its record withdrawn) still counts
+    assert followers_wanted(3, {"me", "alive"}, {"left after syncing"}, "me", {"me"}, set()) == 2
+
+
+def test_a_failed_read_of_the_progress_records_keeps_the_count_of_the_last_epoch():
+    assert followers_wanted(3, set(), set(), "me", {"me"}, set()) == 2
