@@ -318,6 +318,11 @@ class OptimizerConfig(_Strict):
     state_download_stripe_min_mb: float = Field(
         8.0, ge=0, description="Smaller states come from one donor (a striped download first asks for a header).")
     average_state_every: int = Field(1, ge=1, description="Average parameters and optimizer state every N epochs.")
+    group_size: int | None = Field(
+        None, ge=2, description="A swarm of a known, fixed number of trainers (geotrain local sets it): a round's "
+                                "matchmaking ends as soon as this many have joined, not after the matchmaking time. "
+                                "It is also the largest group: more trainers average in separate groups, so leave it "
+                                "unset for a swarm that grows.")
 
     @model_validator(mode="before")
     @classmethod

@@ -50,6 +50,8 @@ class LocalSwarm:
                  scrape_interval_s: float = DEFAULT_SCRAPE_INTERVAL_S):
         self.config = config.model_copy(deep=True)
         self.config.training.max_epochs = epochs
+        if peers >= 2 and self.config.optimizer.group_size is None:
+            self.config.optimizer.group_size = peers  # every round's group is full once all trainers joined it
         self.peers = peers
         self.epochs = epochs
         self.run_dir = run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")

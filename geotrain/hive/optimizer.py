@@ -528,6 +528,7 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     # With local updates there is no gradient averager, and hivemind refuses a factory for one.
     grad_averager_factory = None if local_updates else partial(grad_averager_class,
                                                                request_timeout=opt.request_timeout_s,
+                                                               target_group_size=opt.group_size,
                                                                **grad_averager_options)
     optimizer = optimizer_class(
         dht=dht,
@@ -556,7 +557,8 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
         average_state_every=1 if diloco else opt.average_state_every,
         grad_compression=build_compression(opt.grad_compression),
         grad_averager_factory=grad_averager_factory,
-        averager_opts={"request_timeout": opt.request_timeout_s},
+        # a known group size ends matchmaking once the group is full (hivemind waits matchmaking_time otherwise)
+        averager_opts={"request_timeout": opt.request_timeout_s, "target_group_size": opt.group_size},
         # a peer must notice soon that the swarm reached the target batch, or it runs on alone; the
         # bound on the refresh period keeps that lag small next to an epoch
         tracker_opts={"default_refresh_period": opt.progress_refresh_s,
