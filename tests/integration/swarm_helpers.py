@@ -76,39 +76,25 @@ class Swarm:
         # pid that a peer of this test now has are not this peer's
         self.shared_memory_at_start = shared_memory_files()
         self.processes: list[subprocess.Popen] = []
-        self.peers_file: Path | None = None  # the coordinator's, which trainers started with it wait for
-        self._initial_peers: list[str] = []
+        self.initial_peers: list[str] = []
 
-    @property
-    def initial_peers(self) -> list[str]:
-        """The coordinator's join addresses (waits for them)."""
-        if not self._initial_peers and self.peers_file is not None:
-            wait_for(self.peers_file.exists, 90, "the coordinator's address")
-            self._initial_peers = self.peers_file.read_text().split()
-        return self._initial_peers
-
-    @initial_peers.setter
-    def initial_peers(self, addresses: list[str]) -> None:
-        self._initial_peers = addresses
-
-    def start_coordinator(self, *arguments: str) -> None:
-        """A bootstrap-only coordinator unless ``arguments`` say otherwise (durable state has its own tests).
-        Trainers may start at once: they wait for its address (--initial-peers-file)."""
-        self.peers_file = self.directory / "initial_peers.txt"
+    def start_coordinator(self, *arguments: str) -> list[str]:
+        """A bootstrap-only coordinator unless ``arguments`` say otherwise (durable state has its own tests)."""
+        peers_file = self.directory / "initial_peers.txt"
         self.processes.append(spawn("coordinator", "--port", "0", "--state-dir", str(self.directory / "coord"),
-                                    "--initial-peers-file", str(self.peers_file), *(arguments or ("--no-state",)),
+                                    "--initial-peers-file", str(peers_file), *(arguments or ("--no-state",)),
                                     log_path=self.directory / "coordinator.log"))
+        wait_for(peers_file.exists, 90, "the coordinator's address")
+        self.initial_peers = peers_file.read_text().split()
+        return self.initial_peers
 
     def start_trainer(self, name: str, *arguments: str, env: dict[str, str] | None = None
                       ) -> tuple[subprocess.Popen, Path]:
         events = self.directory / f"{name}.jsonl"
         command = ["peer", "--events", str(events), "--threads", "1", "--network-profile", "loopback",
                    "--preemption", "signal"]
-        if self._initial_peers or self.peers_file is None:
-            for address in self._initial_peers:
-                command += ["--initial-peers", address]
-        else:
-            command += ["--initial-peers-file", str(self.peers_file)]
+        for address in self.initial_peers:
+            command += ["--initial-peers", address]
         process = spawn(*command, *arguments, log_path=self.directory / f"{name}.log", env=env)
         self.processes.append(process)
         return process, events

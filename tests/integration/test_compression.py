@@ -44,6 +44,7 @@ def train(swarm: Swarm, compression: str) -> dict:
                                    "--target-batch-size", str(TARGET_BATCH_SIZE), "--lr", str(LEARNING_RATE),
                                    "--max-epochs", str(EPOCHS), "--wait-for-peers", str(TRAINERS),
                                    "--data-seed", str(index + 1), "--grad-compression", compression,
+                                   "--set", f"optimizer.group_size={TRAINERS}",  # rounds end once both are in
                                    env={"HIVEMIND_LOGLEVEL": "INFO"})
                for index, name in enumerate(names)]
     for process, _ in started:
