@@ -28,7 +28,8 @@ links:
 """
 ADDRESSES = {"west": "10.77.1.2", "east": "10.77.2.2", "south": "10.77.3.2"}
 TRAINING = ["--task", "emulated", "--preset", "tiny", "--target-batch-size", "2048", "--batch-size", "32",
-            "--network-profile", "continent", "--run-id", "lab-transfer", "--lr", "0.1"]
+            "--network-profile", "continent", "--run-id", "lab-transfer", "--lr", "0.1",
+            "--set", "optimizer.group_size=4"]  # all four trainers: once the late one is in, rounds end when full
 
 
 def _events(path, name: str) -> list[dict]:

@@ -27,7 +27,8 @@ links:
 """
 ADDRESSES = {"west": "10.77.1.2", "east": "10.77.2.2"}
 TRAINING = ["--task", "emulated", "--preset", "tiny", "--target-batch-size", "2048", "--batch-size", "32",
-            "--network-profile", "continent", "--run-id", "lab-test", "--lr", "0.1"]
+            "--network-profile", "continent", "--run-id", "lab-test", "--lr", "0.1",
+            "--set", "optimizer.group_size=2"]  # two trainers: a round ends once both are in, not after 10 s
 
 
 def test_two_regions_train_to_identical_parameters(make_lab, tmp_path):
