@@ -88,16 +88,27 @@ class Swarm:
         self.initial_peers = peers_file.read_text().split()
         return self.initial_peers
 
-    def start_trainer(self, name: str, *arguments: str, env: dict[str, str] | None = None
-                      ) -> tuple[subprocess.Popen, Path]:
+    def start_trainer(self, name: str, *arguments: str, env: dict[str, str] | None = None,
+                      initial_peers_file: Path | None = None) -> tuple[subprocess.Popen, Path]:
+        """A trainer that joins through the coordinator, or, given ``initial_peers_file``, one that loads torch
+        and builds its model now and joins once :meth:`let_join` writes the coordinator's address there."""
         events = self.directory / f"{name}.jsonl"
         command = ["peer", "--events", str(events), "--threads", "1", "--network-profile", "loopback",
                    "--preemption", "signal"]
-        for address in self.initial_peers:
-            command += ["--initial-peers", address]
+        if initial_peers_file is not None:
+            command += ["--initial-peers-file", str(initial_peers_file)]
+        else:
+            for address in self.initial_peers:
+                command += ["--initial-peers", address]
         process = spawn(*command, *arguments, log_path=self.directory / f"{name}.log", env=env)
         self.processes.append(process)
         return process, events
+
+    def let_join(self, initial_peers_file: Path) -> None:
+        """Write the coordinator's address where a trainer started with ``initial_peers_file`` waits for it."""
+        partial = initial_peers_file.with_name(initial_peers_file.name + ".partial")
+        partial.write_text("\n".join(self.initial_peers) + "\n")
+        partial.rename(initial_peers_file)  # whole or not at all, as the coordinator writes it
 
     def log(self, name: str) -> str:
         return (self.directory / f"{name}.log").read_text(errors="replace")

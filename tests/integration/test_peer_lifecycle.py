@@ -13,6 +13,9 @@ from geotrain.processes import descendants
 from swarm_helpers import FAST_SWARM, alive, last_epoch, wait_for
 
 STOP_BUDGET_S = 30.0
+# the late trainer joins after epoch 2 and must still train some epochs with the others before the end
+LATE_JOIN_TARGET_BATCH_SIZE = 2048
+LATE_JOIN_EPOCHS = 7
 
 
 def _finished(events_path):
@@ -22,19 +25,23 @@ def _finished(events_path):
 def test_a_trainer_that_joins_after_epoch_two_loads_state_and_ends_equal(swarm):
     swarm.start_coordinator()
     # a learning rate that changes every epoch: the late trainer must use the swarm's, not one of its own
-    common = [*FAST_SWARM, "--target-batch-size", "4096", "--max-epochs", "10", "--lr-schedule", "linear",
-              "--warmup-epochs", "1"]
+    common = [*FAST_SWARM, "--target-batch-size", str(LATE_JOIN_TARGET_BATCH_SIZE), "--max-epochs",
+              str(LATE_JOIN_EPOCHS), "--lr-schedule", "linear", "--warmup-epochs", "1"]
     first, first_events = swarm.start_trainer("a", *common, "--wait-for-peers", "2", "--data-seed", "1")
     second, second_events = swarm.start_trainer("b", *common, "--wait-for-peers", "2", "--data-seed", "2")
+    # started now, so that it has torch loaded and its model built when it is let in: it joins within a second
+    late_peers_file = swarm.directory / "late-initial-peers.txt"
+    late, late_events = swarm.start_trainer("late", *common, "--data-seed", "3", "--bootstrap-timeout", "240",
+                                            initial_peers_file=late_peers_file)
     wait_for(lambda: last_epoch(first_events) >= 2, 180, "the swarm to reach epoch 2")
-    late, late_events = swarm.start_trainer("late", *common, "--data-seed", "3")
+    swarm.let_join(late_peers_file)
 
     for process in (first, second, late):
         process.wait(timeout=300)
     results = {name: _finished(path) for name, path in
                (("a", first_events), ("b", second_events), ("late", late_events))}
     assert all(results.values()), {name: swarm.log(name)[-2000:] for name, r in results.items() if not r}
-    assert {r["epoch"] for r in results.values()} == {10}
+    assert {r["epoch"] for r in results.values()} == {LATE_JOIN_EPOCHS}
     late_joined = [e for e in read_events(late_events) if e["event"] == "state_loaded"]
     assert late_joined and late_joined[0]["epoch"] >= 2, "the late trainer did not load the swarm's state"
     # one transfer per load: the training state, not also hivemind's gradient buffers (parameter-sized, unread)

@@ -20,6 +20,7 @@ from geotrain.ports import free_ports
 from swarm_helpers import FAST_SWARM, Swarm, geotrain, processes_mentioning, wait_for
 
 RUN_ID = "metrics-test"
+# every peer publishes each second; `geotrain status --once` given the same waits one period for a second look
 PUBLISH = ["--set", "metrics.publish_interval_s=1", "--run-id", RUN_ID]
 ATTACKER = Path(__file__).with_name("metric_attacker.py")
 
@@ -106,7 +107,7 @@ def test_coordinator_aggregates_the_trainers(two_region_swarm):
 
 def test_status_lists_every_peer_from_the_dht(two_region_swarm):
     swarm, ports, directory = two_region_swarm
-    result = geotrain("status", "--once", "--json", "--run-id", RUN_ID,
+    result = geotrain("status", "--once", "--json", *PUBLISH,
                       *[argument for address in swarm.initial_peers for argument in ("--initial-peers", address)],
                       timeout_s=90)
     assert result.returncode == 0, result.stderr
@@ -117,7 +118,7 @@ def test_status_lists_every_peer_from_the_dht(two_region_swarm):
                for row in trainers.values())
     assert [row["role"] for row in status["peers"]].count("coordinator") == 1
 
-    table = geotrain("status", "--once", "--run-id", RUN_ID, "--initial-peers", swarm.initial_peers[0], timeout_s=90)
+    table = geotrain("status", "--once", *PUBLISH, "--initial-peers", swarm.initial_peers[0], timeout_s=90)
     assert table.returncode == 0, table.stderr
     assert "2 trainers" in table.stdout and " us " in table.stdout and " eu " in table.stdout
 
@@ -133,7 +134,7 @@ def test_forged_overwritten_and_malformed_records_are_refused(two_region_swarm):
     assert outcome["forged_signature_accepted"] and not any(outcome["forged_signature_accepted"])
     assert outcome["malformed_accepted"] is False
 
-    result = geotrain("status", "--once", "--json", "--run-id", RUN_ID, "--initial-peers", swarm.initial_peers[0],
+    result = geotrain("status", "--once", "--json", *PUBLISH, "--initial-peers", swarm.initial_peers[0],
                       timeout_s=90)
     status = json.loads(result.stdout.splitlines()[-1])
     rows = {row["peer_id"]: row for row in status["peers"]}
@@ -155,7 +156,7 @@ def test_a_flood_of_metric_records_grows_no_memory_and_the_trainers_records_stil
     limits, fresh, rewrites = Limits(), 350, 500  # both beyond what the limits let in
 
     def trainer_epochs() -> dict[str, int]:
-        result = geotrain("status", "--once", "--json", "--run-id", RUN_ID, "--initial-peers", swarm.initial_peers[0],
+        result = geotrain("status", "--once", "--json", *PUBLISH, "--initial-peers", swarm.initial_peers[0],
                           timeout_s=90)
         assert result.returncode == 0, result.stderr
         rows = json.loads(result.stdout.splitlines()[-1])["peers"]
