@@ -12,6 +12,19 @@ def swarm(tmp_path):
     assert not processes_mentioning(str(tmp_path)), "a peer process outlived the test"
 
 
+@pytest.fixture(scope="session")
+def bootstrap_coordinator(tmp_path_factory):
+    """One bootstrap coordinator (no state) for the short two-trainer runs of several modules: each run is a
+    swarm of its own (``--run-id``) that only needs an address to join, as on a coordinator that outlives runs."""
+    directory = tmp_path_factory.mktemp("bootstrap-coordinator")
+    swarm = Swarm(directory)
+    try:
+        swarm.start_coordinator()
+        yield swarm
+    finally:
+        swarm.stop()
+    assert not processes_mentioning(str(directory)), "a peer process outlived the tests"
+
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -148,3 +149,33 @@ def run_local(directory: Path, *arguments: str, timeout_s: float = 400) -> tuple
     return json.loads(summary_path.read_text()), result
 
 
+
+
+def train_two(swarm: Swarm, run_id: str, *arguments: str, epochs: int, timeout_s: float = 240,
+              env: dict[str, str] | None = None) -> dict:
+    """Two trainers (data seeds 1 and 2) of a swarm of their own (``run_id``) next to ``swarm``'s coordinator,
+    from start to the end-of-run agreement after ``epochs``; what their events and logs say: exit codes, each
+    one's ``finished`` event, the swarm's loss per epoch (weighted by samples), averaging bytes per sample."""
+    names = [f"{run_id}-{index}" for index in range(2)]
+    started = [swarm.start_trainer(name, "--run-id", run_id, "--max-epochs", str(epochs), "--wait-for-peers", "2",
+                                   "--data-seed", str(index + 1), "--set", "optimizer.group_size=2",  # rounds end
+                                   *arguments, env=env)                                          # once both are in
+               for index, name in enumerate(names)]
+    for process, _ in started:
+        process.wait(timeout=timeout_s)
+    events = [read_events(path) for _, path in started]
+    finished = [next((e for e in peer if e["event"] == "finished"), None) for peer in events]
+    losses = []
+    for epoch in range(1, epochs + 1):
+        of_epoch = [e for peer in events for e in peer if e["event"] == "epoch" and e["epoch"] == epoch]
+        losses.append(sum(e["loss"] * e["samples"] for e in of_epoch) / max(1, sum(e["samples"] for e in of_epoch)))
+    samples = sum(f["samples"] for f in finished if f is not None)
+    averaging_bytes = sum(sum(f["averaging_payload_bytes"].values()) for f in finished if f is not None)
+    return {"exit_codes": [process.returncode for process, _ in started], "finished": finished, "losses": losses,
+            "averaging_bytes_per_sample": averaging_bytes / samples if samples else math.nan,
+            "logs": {name: swarm.log(name) for name in names}}
+
+
+def run_report(run: dict) -> str:
+    """The end of each trainer's log in a :func:`train_two` run, for an assertion's message."""
+    return "\n".join(f"--- {name}\n{log[-3000:]}" for name, log in run["logs"].items())

@@ -206,3 +206,17 @@ def test_lr_inf_on_the_command_line_is_refused(capsys):
     assert main(["local", "--lr", "inf"]) == 2
     err = capsys.readouterr().err
     assert "optimizer.learning_rate: input should be a finite number, got inf" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--delayed-parameter-updates"], {"delayed_parameter_updates": True}),
+    (["--local-updates"], {"use_local_updates": True}),
+    (["--grad-compression", "uniform8bit"], {"grad_compression": "uniform8bit"}),
+    (["--grad-compression", "none"], {"grad_compression": "none"}),
+])
+@pytest.mark.parametrize("command", ["peer", "local"])
+def test_a_training_mode_flag_reaches_the_config(command, flags, expected):
+    from geotrain.cli import TRAINING_FLAGS, build_parser, config_from_args
+
+    config = config_from_args(build_parser().parse_args([command, *flags]), [TRAINING_FLAGS])
+    assert {key: getattr(config.optimizer, key) for key in expected} == expected
