@@ -1,4 +1,4 @@
-"""A trainer joining late, and a trainer told to stop."""
+"""A trainer joining late; trainers and a coordinator told to stop, and a trainer killed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from geotrain.events import read_events
 from geotrain.processes import descendants
-from swarm_helpers import FAST_SWARM, alive, last_epoch, wait_for
+from swarm_helpers import FAST_SWARM, Swarm, alive, last_epoch, processes_mentioning, wait_for
 
 STOP_BUDGET_S = 30.0
 # the late trainer joins after epoch 2 and must still train some epochs with the others before the end
@@ -109,34 +109,28 @@ def describe(pid: int) -> str:
         return "gone"
 
 
-def test_sigterm_stops_a_trainer_within_30_s_and_leaves_no_process(swarm):
-    swarm.start_coordinator()
-    trainer, events = swarm.start_trainer("t", *FAST_SWARM, "--target-batch-size", "256")
-    wait_for(lambda: last_epoch(events) >= 1, 120, "the trainer's first epoch")
-    stop_and_check(swarm, trainer, "t", signal.SIGTERM)
-    finished = _finished(events)
-    assert finished is not None and finished["stopped_by_request"] is True
+@pytest.fixture(scope="module")
+def three_trainers(tmp_path_factory):
+    """A coordinator that holds state (a checkpoint every epoch) and three trainers, for the tests below, which
+    run in this order: SIGKILL takes the "victim", SIGTERM stops "a", Ctrl-C stops "b" and the coordinator."""
+    directory = tmp_path_factory.mktemp("three-trainers")
+    swarm = Swarm(directory)
+    try:
+        short_epochs = [*FAST_SWARM, "--target-batch-size", "512"]
+        swarm.start_coordinator("--checkpoint-every-epochs", "1", *short_epochs)  # holds state: has an optimizer
+        trainers = {name: swarm.start_trainer(name, *short_epochs, "--wait-for-peers", "3", "--data-seed", str(seed))
+                    for seed, name in enumerate(("a", "b", "victim"), start=1)}
+        wait_for(lambda: last_epoch(trainers["victim"][1]) >= 2, 180, "three trainers training together")
+        yield swarm, trainers
+    finally:
+        swarm.stop()
+    assert not processes_mentioning(str(directory)), "a peer process outlived the tests"
 
 
-def test_ctrl_c_stops_a_training_trainer_and_a_coordinator_that_holds_state(swarm):
-    """hivemind's averagers set SIGINT to SIG_IGN in the process that starts them; Ctrl-C must still work."""
-    swarm.start_coordinator("--checkpoint-every-epochs", "1", *FAST_SWARM)  # holds state: has an optimizer
-    trainer, events = swarm.start_trainer("t", *FAST_SWARM, "--target-batch-size", "256")
-    wait_for(lambda: "checkpoint version 1 written" in swarm.log("coordinator"), 120, "the coordinator's checkpoint")
-    stop_and_check(swarm, trainer, "t", signal.SIGINT)
-    finished = _finished(events)
-    assert finished is not None and finished["stopped_by_request"] is True
-    assert finished["stop_reason"] == "SIGINT received"
-    coordinator = swarm.processes[0]
-    stop_and_check(swarm, coordinator, "coordinator", signal.SIGINT)
-
-
-def test_sigkill_of_one_of_three_trainers_mid_round_the_others_go_on(swarm):
-    swarm.start_coordinator()
-    trainers = [swarm.start_trainer(name, *FAST_SWARM, "--wait-for-peers", "3", "--data-seed", str(index + 1))
-                for index, name in enumerate(("a", "b", "victim"))]
-    victim, victim_events = trainers[2]
-    wait_for(lambda: last_epoch(victim_events) >= 2, 180, "three trainers training together")
+def test_sigkill_of_one_of_three_trainers_mid_round_the_others_go_on(three_trainers):
+    swarm, trainers = three_trainers
+    victim, victim_events = trainers["victim"]
+    others = [trainers["a"], trainers["b"]]
 
     # Aim the kill at the next averaging round: it starts when the swarm reaches the target batch,
     # near the end of an epoch.
@@ -144,11 +138,32 @@ def test_sigkill_of_one_of_three_trainers_mid_round_the_others_go_on(swarm):
     period_s = epochs[-1]["time"] - epochs[-2]["time"]
     time.sleep(max(0.0, epochs[-1]["time"] + 0.85 * period_s - time.time()))
     children = descendants(victim.pid)
-    epoch_at_kill = max(last_epoch(events) for _, events in trainers[:2])
+    epoch_at_kill = max(last_epoch(events) for _, events in others)
     victim.send_signal(signal.SIGKILL)  # the peer alone, as the OOM killer would: its children must follow
     victim.wait()
 
-    wait_for(lambda: all(last_epoch(events) >= epoch_at_kill + 2 for _, events in trainers[:2]), 180,
+    wait_for(lambda: all(last_epoch(events) >= epoch_at_kill + 2 for _, events in others), 180,
              "the two remaining trainers to complete their next epochs")
     wait_for(lambda: not [pid for pid in children if alive(pid)], 15,
              "the killed trainer's DHT node and p2pd to exit")
+
+
+def test_sigterm_stops_a_trainer_within_30_s_and_leaves_no_process(three_trainers):
+    swarm, trainers = three_trainers
+    trainer, events = trainers["a"]
+    stop_and_check(swarm, trainer, "a", signal.SIGTERM)
+    finished = _finished(events)
+    assert finished is not None and finished["stopped_by_request"] is True
+
+
+def test_ctrl_c_stops_a_training_trainer_and_a_coordinator_that_holds_state(three_trainers):
+    """hivemind's averagers set SIGINT to SIG_IGN in the process that starts them; Ctrl-C must still work."""
+    swarm, trainers = three_trainers
+    trainer, events = trainers["b"]
+    wait_for(lambda: "checkpoint version 1 written" in swarm.log("coordinator"), 120, "the coordinator's checkpoint")
+    stop_and_check(swarm, trainer, "b", signal.SIGINT)
+    finished = _finished(events)
+    assert finished is not None and finished["stopped_by_request"] is True
+    assert finished["stop_reason"] == "SIGINT received"
+    coordinator = swarm.processes[0]
+    stop_and_check(swarm, coordinator, "coordinator", signal.SIGINT)
