@@ -46,10 +46,6 @@ def leave_swarm(dht, optimizer, run_id: str, stopper: Stopper, reporter=None) ->
             goodbye.result(timeout=max(0.1, deadline - time.monotonic()))
         except Exception as error:  # leaving anyway; the record then expires on its own
             logger.debug("goodbye record not stored: %s", error)
-    # The training loop's last step may have scheduled the next epoch's round after the stop request was
-    # handled: hivemind's shutdown cancels a round only while it looks for a group, and tags along with one
-    # still idle, which then looks for a group alone until the averaging timeout
-    withdraw_from_rounds(optimizer)
     budget_s = max(1.0, stopper.seconds_left(UNHURRIED_SHUTDOWN_S) - SHUTDOWN_RESERVE_S)
     shutdown = threading.Thread(target=optimizer.shutdown, name="optimizer-shutdown", daemon=True)
     shutdown.start()

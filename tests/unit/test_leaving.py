@@ -10,13 +10,12 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-import hivemind
 import pytest
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
-from geotrain.hive.leave import leave_swarm, withdraw_from_rounds
+from geotrain.hive.leave import withdraw_from_rounds
 from geotrain.lifecycle import Stopper
 
 NO_WATCHDOG_S = 3600.0  # the stop's deadline: far beyond the test, so its watchdog never fires
@@ -57,22 +56,6 @@ def test_each_round_of_the_optimizer_is_left():
     grads, state = scheduled_round(AveragingStage.LOOKING_FOR_GROUP), scheduled_round(AveragingStage.AWAITING_TRIGGER)
     done = withdraw_from_rounds(SimpleNamespace(scheduled_grads=grads, scheduled_state=state))
     assert len(done) == 2 and grads.cancelled() and state.weight == 0
-
-
-def test_leaving_withdraws_from_a_round_the_last_step_scheduled_before_hivemind_shuts_down():
-    """The training loop's last step schedules the next epoch's round after the stop request was handled;
-    hivemind's shutdown would wait for that idle round until the averaging timeout."""
-    dht = hivemind.DHT(start=True)  # leave_swarm stores the goodbye in it, then shuts it down
-    next_round = scheduled_round(AveragingStage.IDLE)
-    at_shutdown = []
-    tracker = SimpleNamespace(shutdown=lambda timeout: None, _local_public_key=b"this-peer", metadata_expiration=10.0)
-    optimizer = SimpleNamespace(scheduled_grads=next_round, scheduled_state=None, tracker=tracker,
-                                shutdown=lambda: at_shutdown.append(next_round.cancelled()))
-    try:
-        leave_swarm(dht, optimizer, "leaving-test", Stopper(NO_WATCHDOG_S))
-    finally:
-        dht.shutdown()
-    assert at_shutdown == [True], "the round was still scheduled when hivemind's optimizer shut down"
 
 
 def test_a_stop_request_runs_what_was_registered_once():
