@@ -71,7 +71,8 @@ def _wait_for_followers(dht, run_id: str, peer_id: str, sha256: str, epoch: int,
         progress = read_progress(dht, run_id)
         others |= {pid for pid, p in progress.items() if epoch - 1 <= p.epoch <= epoch}
         others -= excluded | not_followers
-        wanted = followers_wanted(expected_peers, set(progress), synced, peer_id, not_followers, excluded)
+        wanted = followers_wanted(expected_peers, {pid: p.epoch for pid, p in progress.items()}, synced, peer_id,
+                                  not_followers, excluded, epoch)
         enough = len(synced - not_followers) >= wanted or time.monotonic() > settle_deadline
         if others <= synced and enough:
             return True
@@ -81,15 +82,18 @@ def _wait_for_followers(dht, run_id: str, peer_id: str, sha256: str, epoch: int,
     return False
 
 
-def followers_wanted(expected_peers: int, progress_peers: set[str], synced: set[str], own: str,
-                     not_followers: set[str], excluded: set[str]) -> int:
+def followers_wanted(expected_peers: int, progress_epochs: dict[str, int], synced: set[str], own: str,
+                     not_followers: set[str], excluded: set[str], epoch: int) -> int:
     """How many followers must hold the final state before the settle time is up: the trainers the swarm counted
-    in its last epoch, but no more than have a progress record now or took the state. A trainer counted then that
-    died or left since is not waited for (it cost the whole settle time, up to 30 s, at the end of a run that
-    lost a trainer). A read without this peer's own record (a failed read) changes nothing."""
+    in its last epoch, but no more than have a progress record of the last round or later now, or took the state.
+    A trainer counted then that died or left since is not waited for (it cost the whole settle time, up to 30 s,
+    at the end of a run that lost a trainer), nor one whose record still shows an epoch before the last round: a
+    dead one's lingers until it expires (14 s at the end of a loopback run whose trainer died two epochs before).
+    A read without this peer's own record (a failed read) changes nothing."""
     wanted = expected_peers - len(not_followers) - len(excluded)
-    if own in progress_peers:
-        wanted = min(wanted, len((progress_peers | synced) - not_followers - excluded))
+    if own in progress_epochs:
+        in_the_last_round = {pid for pid, peer_epoch in progress_epochs.items() if peer_epoch >= epoch - 1}
+        wanted = min(wanted, len((in_the_last_round | synced) - not_followers - excluded))
     return wanted
 
 
@@ -185,8 +189,11 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
         sha256 = parameters_sha256(model)
         _store(dht, run_id, peer_id, {"role": "finalizer", "sha256": sha256, "epoch": epoch, "region": region},
                timeout_s)
+        progress_epochs = {pid: p.epoch for pid, p in read_progress(dht, run_id).items()}
+        followers = max(len(candidates) - 1, followers_wanted(expected_peers, progress_epochs, set(), peer_id,
+                                                               {peer_id}, banned(), epoch))
         logger.info("final state %s is this peer's; waiting for the %d other trainers of the last epoch to take it",
-                    sha256[:16], max(len(candidates) - 1, expected_peers - 1))
+                    sha256[:16], followers)
         agreed = _wait_for_followers(dht, run_id, peer_id, sha256, epoch, set(candidates) - {peer_id},
                                      expected_peers, banned, deadline, time.monotonic() + settle_s)
         return sha256, agreed

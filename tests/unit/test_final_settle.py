@@ -33,13 +33,27 @@ def test_only_peers_one_epoch_behind_are_waited_for_as_still_in_the_last_round()
     assert still_in_the_last_round(progress, {"banned"}, LAST_EPOCH) == {"in the round"}
 
 
+def at_the_last_epoch(*peers: str) -> dict[str, int]:
+    return {peer: LAST_EPOCH for peer in peers}
+
+
 def test_a_trainer_counted_in_the_last_epoch_whose_record_is_gone_is_not_waited_for():
     # the swarm counted three trainers; one died since: its record expired
-    assert followers_wanted(3, {"me", "alive"}, set(), "me", {"me"}, set()) == 1
-    assert followers_wanted(3, {"me", "alive", "slow"}, set(), "me", {"me"}, set()) == 2
+    assert followers_wanted(3, at_the_last_epoch("me", "alive"), set(), "me", {"me"}, set(), LAST_EPOCH) == 1
+    assert followers_wanted(3, at_the_last_epoch("me", "alive", "slow"), set(), "me", {"me"}, set(), LAST_EPOCH) == 2
     # one that took the state and left (its record withdrawn) still counts
-    assert followers_wanted(3, {"me", "alive"}, {"left after syncing"}, "me", {"me"}, set()) == 2
+    assert followers_wanted(3, at_the_last_epoch("me", "alive"), {"left after syncing"}, "me", {"me"}, set(),
+                            LAST_EPOCH) == 2
+
+
+def test_a_trainer_whose_record_shows_an_epoch_before_the_last_round_is_not_waited_for():
+    # killed two epochs before the end: its record still shows the epoch it died in until it expires
+    progress = {"me": LAST_EPOCH, "dead": LAST_EPOCH - 2}
+    assert followers_wanted(2, progress, set(), "me", {"me"}, set(), LAST_EPOCH) == 0
+    # one epoch behind: still in the last round, about to finish and take the state
+    progress = {"me": LAST_EPOCH, "behind": LAST_EPOCH - 1}
+    assert followers_wanted(2, progress, set(), "me", {"me"}, set(), LAST_EPOCH) == 1
 
 
 def test_a_failed_read_of_the_progress_records_keeps_the_count_of_the_last_epoch():
-    assert followers_wanted(3, set(), set(), "me", {"me"}, set()) == 2
+    assert followers_wanted(3, {}, set(), "me", {"me"}, set(), LAST_EPOCH) == 2
