@@ -16,6 +16,10 @@ from geotrain.processes import is_alive as alive
 
 # Small enough for 2 shared cores, large enough that an epoch takes a few seconds and peers meet in it.
 FAST_SWARM = ["--task", "cv", "--preset", "tiny", "--target-batch-size", "1024", "--batch-size", "32"]
+# For tests of what goes around training (metrics, signals, notices, admission), not of what it learns: the
+# emulated task's tiny model sleeps its compute (5 ms a sample, so an epoch takes as long as FAST_SWARM's) and
+# loads no timm, so the processes the test runs next to its swarm get the CPU.
+IDLE_SWARM = ["--task", "emulated", "--preset", "tiny", "--target-batch-size", "1024", "--batch-size", "32"]
 
 
 def geotrain(*arguments: str, timeout_s: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:

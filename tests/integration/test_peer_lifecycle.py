@@ -10,7 +10,7 @@ import pytest
 
 from geotrain.events import read_events
 from geotrain.processes import descendants
-from swarm_helpers import FAST_SWARM, Swarm, alive, last_epoch, processes_mentioning, wait_for
+from swarm_helpers import FAST_SWARM, IDLE_SWARM, Swarm, alive, last_epoch, processes_mentioning, wait_for
 
 STOP_BUDGET_S = 30.0
 # the late trainer joins after epoch 2 and must still train some epochs with the others before the end
@@ -116,7 +116,7 @@ def three_trainers(tmp_path_factory):
     directory = tmp_path_factory.mktemp("three-trainers")
     swarm = Swarm(directory)
     try:
-        short_epochs = [*FAST_SWARM, "--target-batch-size", "512"]
+        short_epochs = [*IDLE_SWARM, "--target-batch-size", "512"]
         swarm.start_coordinator("--checkpoint-every-epochs", "1", *short_epochs)  # holds state: has an optimizer
         trainers = {name: swarm.start_trainer(name, *short_epochs, "--wait-for-peers", "3", "--data-seed", str(seed))
                     for seed, name in enumerate(("a", "b", "victim"), start=1)}

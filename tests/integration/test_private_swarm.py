@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from geotrain.events import read_events
-from swarm_helpers import FAST_SWARM, Swarm, geotrain, last_epoch, wait_for
+from swarm_helpers import IDLE_SWARM, Swarm, geotrain, last_epoch, wait_for
 
 OUTSIDER = Path(__file__).parent / "outsider.py"
 
@@ -41,7 +41,7 @@ def listen_address(log: str) -> str:
 def test_an_outsider_without_the_token_gets_nothing_from_a_private_swarm(private_swarm):
     swarm = private_swarm
     token = ("--token-file", str(swarm.token_file))
-    trainers = [swarm.start_trainer(f"trainer-{i}", *FAST_SWARM, "--max-epochs", "50", "--wait-for-peers", "2",
+    trainers = [swarm.start_trainer(f"trainer-{i}", *IDLE_SWARM, "--max-epochs", "50", "--wait-for-peers", "2",
                                     *token) for i in range(2)]
     events = [path for _, path in trainers]
     wait_for(lambda: all(last_epoch(path) >= 1 for path in events), 180, "the members' first epoch")
@@ -60,7 +60,7 @@ def test_an_outsider_without_the_token_gets_nothing_from_a_private_swarm(private
         ("join_group", "not admitted"), ("download_state", "not admitted")}, refused
 
     # a peer without the token cannot even join the DHT, and is told why
-    joined = geotrain("peer", *FAST_SWARM, "--initial-peers", swarm.initial_peers[0], "--bootstrap-timeout", "10",
+    joined = geotrain("peer", *IDLE_SWARM, "--initial-peers", swarm.initial_peers[0], "--bootstrap-timeout", "10",
                       "--max-epochs", "1", "--preemption", "none", timeout_s=120)
     assert joined.returncode == 3, joined.stderr
     assert "needs its token" in joined.stderr

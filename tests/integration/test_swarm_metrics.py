@@ -17,7 +17,7 @@ import pytest
 
 from geotrain.events import read_events
 from geotrain.ports import free_ports
-from swarm_helpers import FAST_SWARM, Swarm, geotrain, processes_mentioning, wait_for
+from swarm_helpers import IDLE_SWARM, Swarm, geotrain, processes_mentioning, wait_for
 
 RUN_ID = "metrics-test"
 # every peer publishes each second; `geotrain status --once` given the same waits one period for a second look
@@ -59,7 +59,7 @@ def two_region_swarm(tmp_path_factory):
         swarm.start_coordinator("--no-state", "--metrics-port", str(ports["coordinator"]), *PUBLISH,
                                 "--set", "cost.egress_usd_per_gb=[{usd_per_gb: 0.08}]")
         for region in ("us", "eu"):
-            swarm.start_trainer(region, *FAST_SWARM, *PUBLISH, "--region", region, "--cloud", "gcp",
+            swarm.start_trainer(region, *IDLE_SWARM, *PUBLISH, "--region", region, "--cloud", "gcp",
                                 "--metrics-port", str(ports[region]), "--wait-for-peers", "2")
         wait_for(lambda: value(scrape(ports["coordinator"]), "geotrain_swarm_peers") == 2, 120,
                  "the coordinator to see both trainers' records")
