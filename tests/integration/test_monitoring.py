@@ -23,7 +23,7 @@ import pytest
 from geotrain.lifecycle import die_with_parent
 from geotrain.telemetry.prometheus_server import (MONITORING_DIR, PrometheusError, api_get, console_expressions,
                                         dashboard_expressions, query, rule_expressions)
-from swarm_helpers import FAST_SWARM, geotrain, processes_mentioning, wait_for
+from swarm_helpers import FAST_SWARM, IDLE_SWARM, geotrain, processes_mentioning, wait_for
 
 needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None,
                                       reason="prometheus not installed (apt-get install prometheus)")
@@ -45,7 +45,7 @@ class LiveSwarm:
         # Scrapes every second; checkpoints every 2 epochs and a budget, so the checkpoint and budget
         # metrics exist; peers publish their records every second, so the swarm view follows quickly.
         command = [sys.executable, "-m", "geotrain", "local", "--prometheus", "--prometheus-port", "0",
-                   "--prometheus-scrape-interval", "1", "--peers", str(PEERS), *FAST_SWARM, "--epochs", "500",
+                   "--prometheus-scrape-interval", "1", "--peers", str(PEERS), *IDLE_SWARM, "--epochs", "500",
                    "--run-dir", str(self.run_dir),
                    "--set", "coordinator.checkpoint_every_epochs=2", "--set", "metrics.publish_interval_s=1",
                    "--set", "cost.instance_usd_per_hour.local=0.5", "--set", "cost.egress_budget_usd_per_hour=5"]
