@@ -26,7 +26,6 @@ def bootstrap_coordinator(tmp_path_factory):
     assert not processes_mentioning(str(directory)), "a peer process outlived the tests"
 
 
-
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory):
     """A real S3-compatible server (moto) on a free loopback port, for the checkpoint mirror's tests."""

@@ -153,8 +153,6 @@ def run_local(directory: Path, *arguments: str, timeout_s: float = 400) -> tuple
     return json.loads(summary_path.read_text()), result
 
 
-
-
 def train_two(swarm: Swarm, run_id: str, *arguments: str, epochs: int, timeout_s: float = 240,
               env: dict[str, str] | None = None) -> dict:
     """Two trainers (data seeds 1 and 2) of a swarm of their own (``run_id``) next to ``swarm``'s coordinator,
