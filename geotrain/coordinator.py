@@ -181,18 +181,22 @@ class DurableState:
         if not (checkpoint_due or refresh_due(swarm_epoch, self.epoch, trainer_in_region, settings)):
             return
         if swarm_epoch > self.epoch:
-            started = time.perf_counter()
+            started, epoch_before = time.perf_counter(), self.epoch
+            averager = self.optimizer.state_averager
+            # only a newer state: one of the epoch it holds (a trainer that has not stepped yet, or one caught
+            # mid-step) would replace, unlogged, the state it offers and has checkpointed under that epoch
+            if averager.guard_report is not None:
+                averager.guard_report.own_epoch.note(epoch_before, newer_only=True)
             try:
                 # a trainer's state, fetched the way a newcomer fetches it (never from ourselves)
-                self.optimizer.state_averager.load_state_from_peers(timeout=self.config.optimizer.load_state_timeout_s)
+                averager.load_state_from_peers(timeout=self.config.optimizer.load_state_timeout_s)
             except Exception as error:  # a donor left mid-transfer; the next poll tries again
                 logger.warning("could not download the swarm's state (%s); will retry", error)
                 return
-            if self.epoch <= self.saved_epoch:
-                return
-            logger.info("downloaded the swarm's state of epoch %d in %.1f s", self.epoch,
-                        time.perf_counter() - started)
-            self._offer_state()
+            if self.epoch > epoch_before:
+                logger.info("downloaded the swarm's state of epoch %d in %.1f s", self.epoch,
+                            time.perf_counter() - started)
+                self._offer_state()
         if checkpoint_due and self.epoch > self.saved_epoch:
             self.checkpoint()
 

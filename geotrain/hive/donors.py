@@ -185,10 +185,17 @@ class OwnEpoch:
 
     def __init__(self):
         self._epoch = multiprocessing.Value("q", -1, lock=True)
+        self._newer_only = multiprocessing.Value("b", 0, lock=True)
 
-    def note(self, epoch: int) -> None:
-        """(the main process, before a load) The peer holds the state of ``epoch``: donors at it have nothing new."""
+    def note(self, epoch: int, newer_only: bool = False) -> None:
+        """(the main process, before a load) The peer holds the state of ``epoch``: donors at it have nothing new.
+        ``newer_only``: take no state but a newer one (a peer at ``epoch`` or behind is not asked, and a state of
+        ``epoch`` or before is refused) rather than fall back on one as new as its own."""
         self._epoch.value = epoch
+        self._newer_only.value = int(newer_only)
+
+    def newer_only(self) -> bool:
+        return bool(self._newer_only.value)
 
     def first_new_epoch(self) -> int | None:
         """The first epoch whose state is new to the peer; None when it did not say."""

@@ -440,14 +440,21 @@ class GuardedAveragerMixin:
         if not candidates:
             logger.info("no peer offers its state%s", "" if allowed is None else f" among {sorted(allowed)}")
             return None
+        min_epoch = None if report is None else report.own_epoch.first_new_epoch()
+        newer_only = report is not None and report.own_epoch.newer_only() and min_epoch is not None
+        if newer_only:
+            candidates = {name: priority for name, priority in candidates.items() if priority >= min_epoch}
+            if not candidates:
+                logger.info("no peer offers a state newer than epoch %d, the one this peer holds", min_epoch - 1)
+                return None
         donors = rank_donors(await measure_donors(candidates, labels), self.donor_region, self.donor_epoch_tolerance,
-                             min_epoch=None if report is None else report.own_epoch.first_new_epoch())
+                             min_epoch=min_epoch)
         stripe = stripe_donors(donors, self.donor_region, self.donor_max_stripes) \
             if self._state_bytes_estimate() >= self.donor_stripe_min_bytes else []
         if stripe:
             attempt = await download_striped(self, stripe, stall_s=self.donor_stall_s,
                                              progress=None if report is None else report.downloads,
-                                             refusal=self._refuse_non_finite_state)
+                                             refusal=self._refuse_state)
             if attempt is not None:
                 self._report_download_attempt(attempt)
                 return attempt
@@ -455,7 +462,20 @@ class GuardedAveragerMixin:
         return await download_state(self, donors, stall_s=self.donor_stall_s,
                                     min_rate_bytes_s=self.donor_min_rate_bytes_s, probation_s=self.donor_probation_s,
                                     progress=None if report is None else report.downloads,
-                                    on_attempt=self._report_download_attempt, refusal=self._refuse_non_finite_state)
+                                    on_attempt=self._report_download_attempt, refusal=self._refuse_state)
+
+    def _refuse_state(self, attempt) -> str | None:
+        """Why a whole downloaded state is refused, or None: not newer than this peer's own when it takes only newer
+        ones (a donor's announced epoch is read before its state, which a step may have moved on or not yet);
+        non-finite values."""
+        report = self.guard_report
+        if report is not None and report.own_epoch.newer_only():
+            metadata, _ = attempt.state
+            epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+            min_epoch = report.own_epoch.first_new_epoch()
+            if min_epoch is not None and (not isinstance(epoch, int) or epoch < min_epoch):
+                return f"its state is of epoch {epoch}, not newer than this peer's {min_epoch - 1}"
+        return self._refuse_non_finite_state(attempt)
 
     def _refuse_non_finite_state(self, attempt) -> str | None:
         """A state with non-finite values is refused, and its donor left out for ``ban_s`` (the download goes on

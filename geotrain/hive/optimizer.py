@@ -13,6 +13,7 @@ from functools import partial
 import hivemind
 import torch
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from geotrain.config import GeotrainConfig
@@ -140,6 +141,41 @@ class RecordingStateAverager(TrainingStateAverager):
         return super().step(*args, averaging_round=averaging_round, averaging_control=averaging_control,
                             averaging_opts=averaging_opts, **kwargs)
 
+    progress_run_id: str | None = None  # set by MeasuredOptimizer: the run whose progress records the watch reads
+    missed_round_check_s = 1.0  # how often a state round looking for a group reads the swarm's progress
+
+    def _do(self, wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
+            set_to_none, timeout=None, **kwargs):
+        """hivemind's background step, with its state averaging round given up while it looks for a group that
+        will not form (:func:`~geotrain.hive.missed_round.watch_round`): the others have stepped past its epoch,
+        or no other trainer is left.
+
+        hivemind runs each step's optimizer update and state round one after the other in one thread, so the
+        next step's update waits for this round. Seen in tests/integration/test_preemption.py: a trainer that had
+        averaged its gradients with a leaving peer (which tags along at weight 0) stepped an epoch after the others;
+        its state round found no one, and its next step waited out the whole averaging timeout (30 s) behind it,
+        while the others' next gradient round waited for it. A peer whose progress record shows a later epoch has
+        ended its round of this one (its own next step waited for it), so the round is given up as soon as one
+        does. The control is made here when hivemind would make it, as it would (the round of the epoch the step
+        moved to), so that the watch holds it.
+        """
+        if averaging_round and self.progress_run_id is not None and not self.delta_rule_averaging:
+            if averaging_control is None or averaging_control.triggered or averaging_control.done():
+                averaging_control = DecentralizedAverager.step(self, gather=self.local_epoch, require_trigger=True,
+                                                               timeout=timeout, wait=False, **kwargs)
+            self._watch_state_round(averaging_control, self.local_epoch)
+        return super()._do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control,
+                           grad_scaler, set_to_none, timeout=timeout, **kwargs)
+
+    def _watch_state_round(self, control, round_epoch: int) -> None:
+        def on_given_up(reason: str) -> None:
+            logger.info("gave up the state averaging round of epoch %d: %s", round_epoch,
+                        "no other trainer is left in the swarm" if reason == ALONE
+                        else "the swarm had stepped past it without this peer")
+
+        watch_round(control, partial(reason_to_give_up, self.dht, self.progress_run_id, str(self.dht.peer_id),
+                                     round_epoch + 1), self.missed_round_check_s, on_given_up)
+
     def load_state_from_peers(self, *args, **kwargs):
         epoch_before = self.local_epoch
         # the parameters the optimizer steps (offloaded or not) and the buffers (batch norm statistics)
@@ -256,12 +292,16 @@ class MeasuredOptimizer(hivemind.Optimizer):
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         # hivemind's construction (hivemind/optim/optimizer.py:283-298) with geotrain's class: its checks must
         # be in the class when the averager's process forks, at construction
-        return self.state_averager_class(
+        averager = self.state_averager_class(
             dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
             allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
+        if isinstance(averager, RecordingStateAverager) and not self.auxiliary:
+            averager.progress_run_id = self.run_id  # its state rounds are given up when no group will form
+            averager.missed_round_check_s = self.missed_round_check_s
+        return averager
 
     def _should_load_state_from_peers(self) -> bool:
         """hivemind's rule, and: a peer that missed the swarm's gradient round of its epoch loads the state.

@@ -24,11 +24,12 @@ SCHEDULE = ["--lr-schedule", "linear", "--schedule-epochs", "60", "--lr", "0.002
 SCHEDULED_SWARM = [*FAST_SWARM, *SCHEDULE]
 
 
-def start_coordinator(swarm, name: str, port: int | None = None, crash: bool = False) -> subprocess.Popen:
+def start_coordinator(swarm, name: str, port: int | None = None, crash: bool = False,
+                      checkpoint_every_epochs: int = 2) -> subprocess.Popen:
     peers_file = swarm.directory / f"{name}-peers.txt"
     command = [sys.executable, "-m", "geotrain", "coordinator", "--state-dir", str(swarm.directory / "coord"),
                "--initial-peers-file", str(peers_file), "--port", str(port or 0), *SCHEDULED_SWARM,
-               "--network-profile", "loopback", "--checkpoint-every-epochs", "2"]
+               "--network-profile", "loopback", "--checkpoint-every-epochs", str(checkpoint_every_epochs)]
     environment = dict(os.environ, GEOTRAIN_CRASH_BEFORE_RENAME="1" if crash else "")
     with open(swarm.directory / f"{name}.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
@@ -39,11 +40,17 @@ def start_coordinator(swarm, name: str, port: int | None = None, crash: bool = F
     return process
 
 
-def checkpoint_parameters_sha256(store: CheckpointStore) -> tuple[int, str]:
-    state, info = store.load_latest()
-    model = build_task(TaskConfig(name="cv", preset="tiny")).build_model()
-    model.load_state_dict(state["model"])
-    return info.epoch, parameters_sha256(model)
+def checkpoints_parameters_sha256(store_dir, known: dict[int, str]) -> dict[int, str]:
+    """epoch -> parameters' sha256 of each checkpoint in ``store_dir``, added to ``known`` (older ones are
+    removed as newer ones are written: read them while they are there)."""
+    import torch
+
+    for info in CheckpointStore(store_dir).list():
+        if info.epoch not in known:
+            model = build_task(TaskConfig(name="cv", preset="tiny")).build_model()
+            model.load_state_dict(torch.load(info.path, map_location="cpu", weights_only=True)["model"])
+            known[info.epoch] = parameters_sha256(model)
+    return known
 
 
 def test_checkpoints_survive_a_crash_and_a_swarm_that_lost_every_trainer(swarm):
@@ -65,8 +72,9 @@ def test_checkpoints_survive_a_crash_and_a_swarm_that_lost_every_trainer(swarm):
     assert last_epoch(first_events) > epoch_while_down, "trainers stopped while the coordinator was down"
     assert CheckpointStore(store_dir).list()[0].version == first_checkpoint.version, "a half-written checkpoint"
 
-    # Restarted again: it restores the last good checkpoint and catches up with the swarm.
-    start_coordinator(swarm, "coordinator-3", port=port)
+    # Restarted again: it restores the last good checkpoint and catches up with the swarm. It checkpoints every
+    # state it downloads, so the state it offers is always one it has written.
+    start_coordinator(swarm, "coordinator-3", port=port, checkpoint_every_epochs=1)
     wait_for(lambda: f"restored checkpoint version {first_checkpoint.version}" in swarm.log("coordinator-3"), 60,
              "the restore of the last good checkpoint")
     wait_for(lambda: CheckpointStore(store_dir).list()[0].version > first_checkpoint.version, 180,
@@ -76,17 +84,24 @@ def test_checkpoints_survive_a_crash_and_a_swarm_that_lost_every_trainer(swarm):
     for process in (first, second):
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-    epoch, expected_sha256 = checkpoint_parameters_sha256(CheckpointStore(store_dir))
+    checkpoints = checkpoints_parameters_sha256(store_dir, {})
+    epoch_at_loss = max(checkpoints)
 
-    # Two new trainers continue from the coordinator's state.
+    # Two new trainers continue from the coordinator's state: that of its newest checkpoint at the loss, or of
+    # one it wrote just after (a state it had downloaded as the trainers went)
     newcomers = [swarm.start_trainer(name, *SCHEDULED_SWARM, "--wait-for-peers", "2", "--data-seed", seed)
                  for name, seed in (("c", "3"), ("d", "4"))]
     for name, events in zip("cd", (events for _, events in newcomers)):
         loaded = wait_for(lambda: [e for e in read_events(events) if e["event"] == "state_loaded"], 120,
                           "a newcomer to load the coordinator's state")[0]
-        assert loaded["params_sha256"] == expected_sha256, "the newcomer did not start from the checkpoint"
+        epoch = loaded["state_epoch"]
+        assert epoch >= epoch_at_loss, loaded
+        wait_for(lambda: epoch in checkpoints_parameters_sha256(store_dir, checkpoints), 30,
+                 f"the coordinator's checkpoint of epoch {epoch}")
+        assert loaded["params_sha256"] == checkpoints[epoch], (
+            f"the newcomer did not start from the coordinator's checkpoint of epoch {epoch}: {loaded}\n"
+            f"checkpoints (epoch: parameters sha256): {checkpoints}\n" + swarm.log("coordinator-3")[-3000:])
         # the lost trainers' progress records may still say a later epoch: the log names the state's own
-        assert loaded["state_epoch"] == epoch, loaded
         assert f"loaded the state of epoch {epoch} " in swarm.log(name), swarm.log(name)[-2000:]
         assert loaded["epoch"] >= epoch
     wait_for(lambda: all(last_epoch(events) > epoch for _, events in newcomers), 120,

@@ -190,6 +190,41 @@ def test_a_donor_whose_state_is_not_finite_is_refused_banned_and_the_next_one_as
     assert downloader.load_state_from_peers(timeout=60) is None
 
 
+class EpochDonor(GoodDonor):
+    """Serves its state under the epoch ``served_epoch`` (a trainer's state carries its epoch)."""
+
+    served_epoch = 0
+
+    def get_current_state(self):
+        metadata, tensors, infos = super().get_current_state()
+        return {**metadata, "epoch": self.served_epoch}, tensors, infos
+
+
+def _serving(epoch: int) -> type:
+    return type(f"DonorOfEpoch{epoch}", (EpochDonor,), {"served_epoch": epoch})
+
+
+def test_a_peer_that_takes_only_newer_states_asks_no_donor_at_its_epoch_and_refuses_an_old_state(swarm):
+    # the coordinator at epoch 9: a trainer at 9 has nothing for it; one that announces 10 but serves 9 (caught
+    # mid-step) is asked first (the higher priority) and refused; the state comes from the one that serves 10
+    (same, stale, newer), downloader, report = swarm.downloader(
+        (_serving(9), 1.0, 9.0), (_serving(9), 2.0, 10.6), (_serving(10), 3.0, 10.2))
+    report.own_epoch.note(9, newer_only=True)
+    metadata, tensors = downloader.load_state_from_peers(timeout=60)
+    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 3.0)), "the state did not come from the newer donor"
+    assert metadata["epoch"] == 10
+    attempts = report.downloads.snapshot()["attempts"]
+    assert attempts["refused"] == 1 and attempts["ok"] == 1, attempts
+    assert report.bans.active() == set(), "an old state is no offence"
+    # with no newer donor left, nothing is loaded; a peer that falls back on its own epoch takes the trainer at 9
+    report.bans.ban(newer.peer_id.to_base58(), 600)
+    report.bans.ban(stale.peer_id.to_base58(), 600)
+    assert downloader.load_state_from_peers(timeout=60) is None
+    report.own_epoch.note(9)
+    _, tensors = downloader.load_state_from_peers(timeout=60)
+    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 1.0))
+
+
 def test_a_leaving_peer_offers_its_state_to_no_new_downloader(swarm):
     # the leaving donor announces the higher priority: it would be asked first
     (leaving, staying), downloader, report = swarm.downloader((GoodDonor, 2.0, 9.0), (GoodDonor, 3.0, 8.0))

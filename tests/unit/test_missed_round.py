@@ -176,6 +176,34 @@ def test_an_epoch_whose_round_was_given_up_starts_no_state_round(trainers, monke
     assert state_averager.local_epoch == 1
 
 
+def test_a_state_round_the_swarm_has_stepped_past_is_given_up_and_the_next_step_does_not_wait_for_it(
+        trainers, caplog):
+    # hivemind runs each step's update and state round one after the other in one thread: a state round that
+    # finds no group held the next step for the whole averaging timeout (seen in test_preemption)
+    (_, donor), (model, optimizer) = trainers
+    state_averager = optimizer.state_averager
+    backward(model)
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+        # what hivemind's Optimizer._update_global_epoch asks of the state averager: a round in the background
+        state_averager.step(increment_epoch=True, optimizer_step=True, averaging_round=True, delay_averaging=True,
+                            averaging_opts=dict(timeout=120))
+        time.sleep(2 * state_averager.missed_round_check_s)
+        assert state_averager.pending_updates, "the state round ended before the swarm moved on"
+
+        donor_moves_to_epoch_one(donor)  # the others' progress records at epoch 1: the round's own epoch
+        time.sleep(2 * state_averager.missed_round_check_s)
+        assert "gave up the state averaging round" not in caplog.text, "given up while the swarm was at its epoch"
+        donor.tracker.report_local_progress(2, 4)  # a trainer at epoch 2 has ended its round of epoch 1
+
+        wait_until(lambda: "gave up the state averaging round of epoch 1: the swarm had stepped past it"
+                   in caplog.text, "the state round to be given up")
+    waiting = threading.Thread(target=state_averager.step, kwargs=dict(wait_for_delayed_updates=True))
+    waiting.start()
+    waiting.join(timeout=30)  # the round's own timeout is 120 s
+    assert not waiting.is_alive() and not state_averager.pending_updates, "the next step still waits for the round"
+    assert state_averager.local_epoch == 1
+
+
 def test_a_load_while_the_swarm_averages_waits_for_its_step_and_takes_the_new_state(trainers):
     # a state downloaded while the swarm's round is under way is one step old when that step lands, and a peer
     # cannot join a round whose group has formed: it would give the round up and download again
