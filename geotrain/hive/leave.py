@@ -66,8 +66,10 @@ def withdraw_from_rounds(optimizer) -> list[str]:
     alone. A round whose group has formed but is waiting for this peer's trigger goes on at weight 0, so
     its group completes without this peer's gradients (what hivemind's shutdown does, but at once rather
     than when the training loop gets there); a running all-reduce is left to finish. A training loop
-    blocked on a cancelled round gets its failure and steps with its own gradients, then sees the stop.
-    Returns what it did to each round, for the log.
+    blocked on a cancelled round gets its failure and steps with its own gradients, then sees the stop. The
+    state round hivemind runs in the background is left the same way, and so is any that a step begins after
+    the request (:meth:`~geotrain.hive.optimizer.RecordingStateAverager.leave_rounds`): hivemind's shutdown waits
+    for it. Returns what it did to each round, for the log.
     """
     done = []
     for name in ("scheduled_grads", "scheduled_state"):
@@ -82,6 +84,11 @@ def withdraw_from_rounds(optimizer) -> list[str]:
             control.weight = 0
             control.allow_allreduce()
             done.append(f"{name}: goes on at weight 0")
+    leave_state_rounds = getattr(getattr(optimizer, "state_averager", None), "leave_rounds", None)
+    if leave_state_rounds is not None:
+        outcome = leave_state_rounds()  # the round hivemind began in the background, and any later one
+        if outcome is not None:
+            done.append(outcome)
     if done:
         logger.info("left the averaging rounds that had not begun (%s)", "; ".join(done))
     return done

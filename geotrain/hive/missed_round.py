@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 MISSED = "missed"
 ALONE = "alone"
+LEAVING = "leaving"  # (state rounds: this peer's stop was requested; geotrain.hive.optimizer.RecordingStateAverager)
 
 
 def reason_to_give_up(dht, run_id: str, own_peer_id: str, past_epoch: int) -> str | None:

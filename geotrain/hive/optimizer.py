@@ -14,6 +14,7 @@ import hivemind
 import torch
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from geotrain.config import GeotrainConfig
@@ -22,7 +23,7 @@ from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
 from geotrain.hive.keys import read_progress
 from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
-from geotrain.hive.missed_round import ALONE, MISSED, reason_to_give_up, watch_round
+from geotrain.hive.missed_round import ALONE, LEAVING, MISSED, reason_to_give_up, watch_round
 from geotrain.hive.part_reducer import install as install_part_reducer_fix
 from geotrain.hive.powersgd import PowerSGDKeepingAverager
 from geotrain.hive.quantization import install as install_quantization_decoder
@@ -163,18 +164,39 @@ class RecordingStateAverager(TrainingStateAverager):
             if averaging_control is None or averaging_control.triggered or averaging_control.done():
                 averaging_control = DecentralizedAverager.step(self, gather=self.local_epoch, require_trigger=True,
                                                                timeout=timeout, wait=False, **kwargs)
+            self._state_round = averaging_control
             self._watch_state_round(averaging_control, self.local_epoch)
         return super()._do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control,
                            grad_scaler, set_to_none, timeout=timeout, **kwargs)
 
+    _state_round = None  # the control of the last state round _do began
+    _leaving = False
+
+    def leave_rounds(self) -> str | None:
+        """When a stop is requested: the state round looking for a group is given up at once, and any later one
+        too (hivemind's shutdown waits for the round in the background; a step that went on after the stop
+        request began one that no other trainer joined, and the peer took 10 s to leave). A round that has its
+        group goes on: the others are in it with this peer. Says what it did, for the log."""
+        self._leaving = True
+        control = self._state_round
+        if control is None or control.done() or control.stage not in (AveragingStage.IDLE,
+                                                                       AveragingStage.LOOKING_FOR_GROUP):
+            return None
+        control.cancel()
+        return "state round: cancelled while looking for group"
+
     def _watch_state_round(self, control, round_epoch: int) -> None:
+        def reason() -> str | None:
+            if self._leaving:
+                return LEAVING
+            return reason_to_give_up(self.dht, self.progress_run_id, str(self.dht.peer_id), round_epoch + 1)
+
         def on_given_up(reason: str) -> None:
             logger.info("gave up the state averaging round of epoch %d: %s", round_epoch,
-                        "no other trainer is left in the swarm" if reason == ALONE
-                        else "the swarm had stepped past it without this peer")
+                        {ALONE: "no other trainer is left in the swarm", LEAVING: "this peer is leaving"}.get(
+                            reason, "the swarm had stepped past it without this peer"))
 
-        watch_round(control, partial(reason_to_give_up, self.dht, self.progress_run_id, str(self.dht.peer_id),
-                                     round_epoch + 1), self.missed_round_check_s, on_given_up)
+        watch_round(control, reason, self.missed_round_check_s, on_given_up)
 
     def load_state_from_peers(self, *args, **kwargs):
         epoch_before = self.local_epoch

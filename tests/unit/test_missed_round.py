@@ -29,6 +29,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from geotrain.config import load_config
 from geotrain.hive.keys import progress_key, read_progress, swarm_epoch_and_trainers
+from geotrain.hive.leave import withdraw_from_rounds
 from geotrain.hive.missed_round import reason_to_give_up, watch_round
 from optimizer_pair import optimizer_pair
 from waiting import wait_until
@@ -197,11 +198,38 @@ def test_a_state_round_the_swarm_has_stepped_past_is_given_up_and_the_next_step_
 
         wait_until(lambda: "gave up the state averaging round of epoch 1: the swarm had stepped past it"
                    in caplog.text, "the state round to be given up")
+    finish_delayed_updates(state_averager)
+    assert state_averager.local_epoch == 1
+
+
+def test_a_leaving_peer_gives_up_its_state_round_and_any_later_one_so_its_shutdown_does_not_wait(trainers, caplog):
+    # hivemind's shutdown waits for the state round in the background: a trainer took 10 s to leave after a
+    # Ctrl-C while its round (begun by the step after the request) looked for a group no one else joined
+    (_, donor), (model, optimizer) = trainers
+    state_averager = optimizer.state_averager
+    backward(model)
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+        state_averager.step(increment_epoch=True, optimizer_step=True, averaging_round=True, delay_averaging=True,
+                            averaging_opts=dict(timeout=120))
+        time.sleep(2 * state_averager.missed_round_check_s)
+        assert state_averager.pending_updates, "the state round ended before the stop request"
+
+        assert "state round: cancelled while looking for group" in withdraw_from_rounds(optimizer)
+        finish_delayed_updates(state_averager)
+        # a step after the request begins a round that is given up at once
+        state_averager.step(increment_epoch=True, optimizer_step=True, averaging_round=True, delay_averaging=True,
+                            averaging_opts=dict(timeout=120))
+        wait_until(lambda: "gave up the state averaging round of epoch 2: this peer is leaving" in caplog.text,
+                   "the later state round to be given up")
+    finish_delayed_updates(state_averager)
+    assert state_averager.local_epoch == 2
+
+
+def finish_delayed_updates(state_averager) -> None:
     waiting = threading.Thread(target=state_averager.step, kwargs=dict(wait_for_delayed_updates=True))
     waiting.start()
-    waiting.join(timeout=30)  # the round's own timeout is 120 s
-    assert not waiting.is_alive() and not state_averager.pending_updates, "the next step still waits for the round"
-    assert state_averager.local_epoch == 1
+    waiting.join(timeout=30)  # the rounds' own timeout is 120 s
+    assert not waiting.is_alive() and not state_averager.pending_updates, "still waiting for the state round"
 
 
 def test_a_load_while_the_swarm_averages_waits_for_its_step_and_takes_the_new_state(trainers):
