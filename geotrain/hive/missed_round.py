@@ -45,13 +45,15 @@ def reason_to_give_up(dht, run_id: str, own_peer_id: str, past_epoch: int) -> st
 
 
 def watch_round(control, reason_to_give_up: Callable[[], str | None], period_s: float,
-                on_given_up: Callable[[str], None]) -> threading.Thread:
+                on_given_up: Callable[[str], None], first_look_after_s: float = 0.0) -> threading.Thread:
     """Cancel ``control`` while it looks for a group, once ``reason_to_give_up()`` gives a reason; a daemon thread.
 
-    Looks every ``period_s`` until the round has a group or ended. ``on_given_up(reason)`` runs after the cancel.
-    A round that has its group is left alone: the others are in it with this peer.
+    Looks every ``period_s`` (the first time after ``first_look_after_s``) until the round has a group or ended.
+    ``on_given_up(reason)`` runs after the cancel. A round that has its group is left alone: the others are in it
+    with this peer.
     """
     def watch() -> None:
+        time.sleep(first_look_after_s)
         while not control.done() and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
             try:
                 reason = reason_to_give_up()

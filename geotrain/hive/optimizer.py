@@ -134,8 +134,8 @@ class RecordingStateAverager(TrainingStateAverager):
         """hivemind's step, without the state averaging round when ``skip_averaging_round`` is set: the peer
         loads the swarm's state at its next step, and hivemind's load would first wait for that round, which
         only ends when the others average again (about an epoch later; the load then takes a state one epoch
-        old)."""
-        if averaging_round and self.skip_averaging_round:
+        old). A peer that is leaving begins no state round either (:meth:`leave_rounds`)."""
+        if averaging_round and (self.skip_averaging_round or self._leaving):
             if averaging_control is not None and not averaging_control.done():
                 averaging_control.cancel()  # a round pre-scheduled for this epoch: the others go on without it
             averaging_round, averaging_control, averaging_opts = False, None, None
@@ -196,7 +196,10 @@ class RecordingStateAverager(TrainingStateAverager):
                         {ALONE: "no other trainer is left in the swarm", LEAVING: "this peer is leaving"}.get(
                             reason, "the swarm had stepped past it without this peer"))
 
-        watch_round(control, reason, self.missed_round_check_s, on_given_up)
+        # the first look after a period: hivemind's _do, which this control is handed to, makes a round of its own
+        # (one no watch holds) for a control that is already done when it begins
+        watch_round(control, reason, self.missed_round_check_s, on_given_up,
+                    first_look_after_s=self.missed_round_check_s)
 
     def load_state_from_peers(self, *args, **kwargs):
         epoch_before = self.local_epoch
