@@ -16,11 +16,19 @@ demo: $(STAMP)
 	$(BIN)/geotrain local --peers 3 --task cv --epochs 5 --target-batch-size 1024 --lr 0.01 \
 		--run-dir runs/demo --json runs/demo/summary.json
 
+# unit and deploy tests run on two workers (pytest-xdist; they wait on tools and loopback as much as they compute),
+# then integration and lab tests one at a time: their swarms time their rounds and would starve each other.
+# Both runs go to the end; the second prints every tier's time (tests/conftest.py).
+PARALLEL := -n auto --maxprocesses=2 --dist loadfile
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 tests
+	rm -f $(VENV)/test-times.json
+	export GEOTRAIN_TEST_TIMES=$(VENV)/test-times.json; \
+	$(BIN)/python -m pytest -q $(PARALLEL) --durations=5 tests/unit tests/deploy; first=$$?; \
+	$(BIN)/python -m pytest -q --durations=15 tests/integration tests/lab; second=$$?; \
+	exit $$(( first || second ))
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q $(PARALLEL) tests/unit
 
 integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration

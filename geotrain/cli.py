@@ -161,6 +161,8 @@ def setup_logging(level: str, role: str) -> None:
         # hivemind reads its level from the environment when it is first imported.
         os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
         os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+    if "hivemind.utils.logging" in sys.modules:  # imported already (a child of geotrain.fork_server): set it now
+        logging.getLogger("hivemind").setLevel(os.environ.get("HIVEMIND_LOGLEVEL", "INFO"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,8 @@
 
 Used by ``geotrain local`` (loopback) and ``geotrain bench`` (each process inside its lab region through
 ``geotrain lab run``). Every process is the geotrain CLI as a user runs it, with its own log file in the
-run directory and its own session, so a stop reaches its whole process tree::
+run directory and its own session, so a stop reaches its whole process tree. ``geotrain local`` forks its
+processes from a fork server (:mod:`geotrain.fork_server`: torch and hivemind imported once, not once a peer)::
 
     launcher = ProcessLauncher(run_dir)
     initial_peers = launcher.start_coordinator(["coordinator", "--port", "0"], run_dir / "initial_peers.txt")
@@ -13,6 +14,7 @@ run directory and its own session, so a stop reaches its whole process tree::
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -22,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from geotrain.fork_server import ForkedProcess, ForkServer, ForkServerError
 from geotrain.lifecycle import die_with_parent
+
+logger = logging.getLogger(__name__)
 
 COORDINATOR = "coordinator"
 COORDINATOR_START_TIMEOUT_S = 90.0
@@ -37,7 +42,7 @@ class LaunchError(RuntimeError):
 @dataclass
 class PeerProcess:
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     log_path: Path
     events_path: Path | None = None
 
@@ -53,11 +58,14 @@ class PeerProcess:
 
 
 class ProcessLauncher:
-    """Starts ``python -m geotrain ARGS`` processes logging to ``run_dir/NAME.log`` and stops them together."""
+    """Starts ``python -m geotrain ARGS`` processes logging to ``run_dir/NAME.log`` and stops them together;
+    ``fork``: fork them from one fork server (started with the first), not a fresh Python each."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, fork: bool = False):
         self.run_dir = run_dir
         self.processes: list[PeerProcess] = []
+        self._fork = fork
+        self._fork_server: ForkServer | None = None
 
     @property
     def trainers(self) -> list[PeerProcess]:
@@ -70,13 +78,27 @@ class ProcessLauncher:
         environment = dict(os.environ)
         if threads:
             environment["OMP_NUM_THREADS"] = str(threads)
-        with open(log_path, "w") as log:
-            process = subprocess.Popen([sys.executable, "-m", "geotrain", *arguments], stdout=log,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
-                                       start_new_session=True, preexec_fn=die_with_parent)
+        server = self._started_fork_server()
+        if server is not None:
+            log_path.write_text("")
+            process = server.spawn(arguments, log_path, env=environment, append=True)
+        else:
+            with open(log_path, "w") as log:
+                process = subprocess.Popen([sys.executable, "-m", "geotrain", *arguments], stdout=log,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment,
+                                           start_new_session=True, preexec_fn=die_with_parent)
         peer = PeerProcess(name, process, log_path, events_path)
         self.processes.append(peer)
         return peer
+
+    def _started_fork_server(self) -> ForkServer | None:
+        if self._fork and self._fork_server is None:
+            try:
+                self._fork_server = ForkServer.start(label=str(self.run_dir))
+            except ForkServerError as error:
+                logger.warning("%s; starting each process as a Python of its own", error)
+                self._fork = False
+        return self._fork_server
 
     def start_coordinator(self, arguments: list[str], peers_file: Path,
                           timeout_s: float = COORDINATOR_START_TIMEOUT_S) -> list[str]:
@@ -126,3 +148,6 @@ class ProcessLauncher:
                 except subprocess.TimeoutExpired:
                     os.killpg(peer.process.pid, signal.SIGKILL)
                     peer.process.wait()
+        if self._fork_server is not None:
+            self._fork_server.close()
+            self._fork_server = None

@@ -57,7 +57,7 @@ class LocalSwarm:
         self.run_dir = run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")
         self.metrics_base_port = metrics_base_port
         self.scrape_interval_s = scrape_interval_s
-        self.launcher = ProcessLauncher(self.run_dir)
+        self.launcher = ProcessLauncher(self.run_dir, fork=True)
         self.prometheus: PrometheusServer | None = None
         names = [*(f"peer-{i}" for i in range(peers)), "coordinator"]
         self.metrics_ports: dict[str, int] = {}

@@ -11,6 +11,9 @@ folders. tests/README.md lists what each test checks.
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,24 +42,60 @@ def pytest_collection_modifyitems(items):
             item.add_marker(getattr(pytest.mark, tier))
 
 
-_seconds: dict[str, float] = defaultdict(float)
+# Each tier's wall-clock span (its first test's start to its last test's end, setup and teardown included, so
+# module fixtures' swarms count) and its number of tests. Under pytest-xdist the tiers of one run go side by side,
+# so the run's own wall time is printed with them.
+_first_start: dict[str, float] = {}
+_last_stop: dict[str, float] = {}
 _counts: dict[str, int] = defaultdict(int)
+_run_started = time.time()
+
+# `make test` runs pytest twice (unit and deploy on two workers, then integration and lab one test at a time);
+# the variable names a file where each run adds its tiers, so the last run prints all of them.
+TIMES_FILE_VARIABLE = "GEOTRAIN_TEST_TIMES"
 
 
 def pytest_runtest_logreport(report):
     tier = tier_of(Path(report.fspath)) if report.fspath else None
     if tier not in TIERS:
         return
-    _seconds[tier] += report.duration  # setup, call and teardown: module fixtures' swarms included
+    _first_start[tier] = min(_first_start.get(tier, report.start), report.start)
+    _last_stop[tier] = max(_last_stop.get(tier, report.stop), report.stop)
     if report.when == "call" or (report.when == "setup" and report.skipped):
         _counts[tier] += 1
 
 
-def pytest_terminal_summary(terminalreporter):
-    if not _seconds:
+def _this_run(config) -> dict | None:
+    if not _counts and not _first_start:
+        return None
+    workers = getattr(config.option, "numprocesses", None) or 1
+    return {"tiers": {tier: [_last_stop[tier] - _first_start[tier], _counts[tier]] for tier in TIERS
+                      if tier in _first_start},
+            "wall_s": time.time() - _run_started, "workers": workers}
+
+
+def _describe(run: dict) -> str:
+    tiers = ", ".join(f"{tier} {seconds:.0f} s ({count} tests)" for tier, (seconds, count) in run["tiers"].items())
+    if run["workers"] > 1:
+        return f"{tiers} (side by side on {run['workers']} workers: {run['wall_s']:.0f} s)"
+    return tiers
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    run = _this_run(config)
+    if run is None or hasattr(config, "workerinput"):  # a pytest-xdist worker: its controller prints
         return
-    parts = [f"{tier} {_seconds[tier]:.0f} s ({_counts[tier]} tests)" for tier in TIERS if tier in _seconds]
-    terminalreporter.write_line(f"time per tier: {', '.join(parts)}; total {sum(_seconds.values()):.0f} s")
+    runs = [run]
+    times_file = os.environ.get(TIMES_FILE_VARIABLE)
+    if times_file:
+        path = Path(times_file)
+        try:
+            runs = json.loads(path.read_text()) + runs
+        except (OSError, ValueError):
+            pass  # the first run of this `make test`
+        path.write_text(json.dumps(runs))
+    total_s = sum(r["wall_s"] for r in runs)
+    terminalreporter.write_line(f"time per tier: {'; '.join(_describe(r) for r in runs)}; total {total_s:.0f} s")
 
 
 @pytest.fixture

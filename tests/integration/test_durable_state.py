@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -16,7 +14,7 @@ from geotrain.events import read_events
 from geotrain.tasks import build_task
 from geotrain.hive.state import parameters_sha256
 from geotrain.schedule import learning_rate_at
-from swarm_helpers import FAST_SWARM, last_epoch, wait_for
+from swarm_helpers import FAST_SWARM, last_epoch, spawn, wait_for
 
 CRASH_EXIT_CODE = 86  # geotrain.checkpoint's injected crash between write and rename
 # a learning rate that changes every epoch: a swarm restored from a checkpoint must use the schedule's
@@ -25,15 +23,12 @@ SCHEDULED_SWARM = [*FAST_SWARM, *SCHEDULE]
 
 
 def start_coordinator(swarm, name: str, port: int | None = None, crash: bool = False,
-                      checkpoint_every_epochs: int = 2) -> subprocess.Popen:
+                      checkpoint_every_epochs: int = 2):
     peers_file = swarm.directory / f"{name}-peers.txt"
-    command = [sys.executable, "-m", "geotrain", "coordinator", "--state-dir", str(swarm.directory / "coord"),
-               "--initial-peers-file", str(peers_file), "--port", str(port or 0), *SCHEDULED_SWARM,
-               "--network-profile", "loopback", "--checkpoint-every-epochs", str(checkpoint_every_epochs)]
-    environment = dict(os.environ, GEOTRAIN_CRASH_BEFORE_RENAME="1" if crash else "")
-    with open(swarm.directory / f"{name}.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
-                                   start_new_session=True, stdin=subprocess.DEVNULL)
+    process = spawn("coordinator", "--state-dir", str(swarm.directory / "coord"), "--initial-peers-file",
+                    str(peers_file), "--port", str(port or 0), *SCHEDULED_SWARM, "--network-profile", "loopback",
+                    "--checkpoint-every-epochs", str(checkpoint_every_epochs), log_path=swarm.directory / f"{name}.log",
+                    env={"GEOTRAIN_CRASH_BEFORE_RENAME": "1" if crash else ""})
     swarm.processes.append(process)
     wait_for(peers_file.exists, 90, f"{name} to come up")
     swarm.initial_peers = peers_file.read_text().split()

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from geotrain.events import read_events
-from swarm_helpers import FAST_SWARM, geotrain, wait_for
+from swarm_helpers import FAST_SWARM, geotrain, spawn, wait_for
 
 try:
     import s3fs
@@ -57,12 +57,9 @@ def environment_without_aws(directory: Path, **variables: str) -> dict[str, str]
 
 def start_coordinator(swarm, name: str, state_dir: Path, environment: dict[str, str], *arguments: str):
     peers_file = swarm.directory / f"{name}-peers.txt"
-    command = [sys.executable, "-m", "geotrain", "coordinator", "--state-dir", str(state_dir), "--port", "0",
-               "--initial-peers-file", str(peers_file), "--mirror-url", MIRROR_URL, *FAST_SWARM,
-               "--network-profile", "loopback", *arguments]
-    with open(swarm.directory / f"{name}.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
-                                   start_new_session=True, stdin=subprocess.DEVNULL)
+    process = spawn("coordinator", "--state-dir", str(state_dir), "--port", "0", "--initial-peers-file",
+                    str(peers_file), "--mirror-url", MIRROR_URL, *FAST_SWARM, "--network-profile", "loopback",
+                    *arguments, log_path=swarm.directory / f"{name}.log", whole_env=environment)
     swarm.processes.append(process)
     wait_for(lambda: peers_file.exists() or process.poll() is not None, 90, f"{name} to come up")
     assert process.poll() is None, f"{name} exited with {process.returncode}:\n{swarm.log(name)[-3000:]}"
@@ -87,7 +84,7 @@ def mirrored_manifests(filesystem: s3fs.S3FileSystem) -> list[dict]:
     return sorted(manifests, key=lambda manifest: manifest["version"], reverse=True)
 
 
-def stop(process: subprocess.Popen) -> int:
+def stop(process) -> int:
     process.send_signal(signal.SIGTERM)
     return process.wait(timeout=40)
 
