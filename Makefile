@@ -16,19 +16,22 @@ demo: $(STAMP)
 	$(BIN)/geotrain local --peers 3 --task cv --epochs 5 --target-batch-size 1024 --lr 0.01 \
 		--run-dir runs/demo --json runs/demo/summary.json
 
-# unit and deploy tests run on two workers (pytest-xdist; they wait on tools and loopback as much as they compute),
-# then integration and lab tests one at a time: their swarms time their rounds and would starve each other.
-# Both runs go to the end; the second prints every tier's time (tests/conftest.py).
-PARALLEL := -n auto --maxprocesses=2 --dist loadfile
+# The deploy tests (tools and loopback servers, no hivemind) run in a second pytest beside the unit tests, which
+# wait on loopback as much as they compute; then the integration and lab tests, one at a time: their swarms time
+# their rounds and would starve each other. All runs go to the end; the last prints every tier's time
+# (tests/conftest.py). (Not pytest-xdist: an in-process hivemind averager of a unit test hung in its worker.)
 test: $(STAMP)
 	rm -f $(VENV)/test-times.json
-	export GEOTRAIN_TEST_TIMES=$(VENV)/test-times.json; \
-	$(BIN)/python -m pytest -q $(PARALLEL) --durations=5 tests/unit tests/deploy; first=$$?; \
-	$(BIN)/python -m pytest -q --durations=15 tests/integration tests/lab; second=$$?; \
-	exit $$(( first || second ))
+	export GEOTRAIN_TEST_TIMES=$(VENV)/test-times.json; deploy_log=$$(mktemp); \
+	$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp=$$(mktemp -d)/deploy --durations=5 tests/deploy \
+		> $$deploy_log 2>&1 & deploy=$$!; \
+	$(BIN)/python -m pytest -q --durations=5 tests/unit; unit=$$?; \
+	wait $$deploy; deployed=$$?; echo "--- tests/deploy, run beside tests/unit:"; cat $$deploy_log; rm -f $$deploy_log; \
+	$(BIN)/python -m pytest -q --durations=15 tests/integration tests/lab; swarms=$$?; \
+	exit $$(( unit || deployed || swarms ))
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q $(PARALLEL) tests/unit
+	$(BIN)/python -m pytest -q tests/unit
 
 integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration

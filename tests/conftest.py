@@ -11,6 +11,7 @@ folders. tests/README.md lists what each test checks.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -43,15 +44,14 @@ def pytest_collection_modifyitems(items):
 
 
 # Each tier's wall-clock span (its first test's start to its last test's end, setup and teardown included, so
-# module fixtures' swarms count) and its number of tests. Under pytest-xdist the tiers of one run go side by side,
-# so the run's own wall time is printed with them.
+# module fixtures' swarms count) and its number of tests.
 _first_start: dict[str, float] = {}
 _last_stop: dict[str, float] = {}
 _counts: dict[str, int] = defaultdict(int)
 _run_started = time.time()
 
-# `make test` runs pytest twice (unit and deploy on two workers, then integration and lab one test at a time);
-# the variable names a file where each run adds its tiers, so the last run prints all of them.
+# `make test` runs pytest three times (unit and deploy side by side, then integration and lab); the variable
+# names a file where each run adds its tiers, so the last run prints all of them.
 TIMES_FILE_VARIABLE = "GEOTRAIN_TEST_TIMES"
 
 
@@ -65,37 +65,39 @@ def pytest_runtest_logreport(report):
         _counts[tier] += 1
 
 
-def _this_run(config) -> dict | None:
-    if not _counts and not _first_start:
-        return None
-    workers = getattr(config.option, "numprocesses", None) or 1
-    return {"tiers": {tier: [_last_stop[tier] - _first_start[tier], _counts[tier]] for tier in TIERS
-                      if tier in _first_start},
-            "wall_s": time.time() - _run_started, "workers": workers}
-
-
-def _describe(run: dict) -> str:
-    tiers = ", ".join(f"{tier} {seconds:.0f} s ({count} tests)" for tier, (seconds, count) in run["tiers"].items())
-    if run["workers"] > 1:
-        return f"{tiers} (side by side on {run['workers']} workers: {run['wall_s']:.0f} s)"
-    return tiers
-
-
-def pytest_terminal_summary(terminalreporter, config):
-    run = _this_run(config)
-    if run is None or hasattr(config, "workerinput"):  # a pytest-xdist worker: its controller prints
-        return
-    runs = [run]
+def _runs_so_far(run: dict) -> list[dict]:
+    """This run and those of the same `make test` before it (read and written under a lock: two run at once)."""
     times_file = os.environ.get(TIMES_FILE_VARIABLE)
-    if times_file:
-        path = Path(times_file)
+    if not times_file:
+        return [run]
+    with open(times_file, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
         try:
-            runs = json.loads(path.read_text()) + runs
-        except (OSError, ValueError):
-            pass  # the first run of this `make test`
-        path.write_text(json.dumps(runs))
-    total_s = sum(r["wall_s"] for r in runs)
-    terminalreporter.write_line(f"time per tier: {'; '.join(_describe(r) for r in runs)}; total {total_s:.0f} s")
+            runs = json.loads(handle.read() or "[]") + [run]
+        except ValueError:
+            runs = [run]
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(runs))
+    return runs
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _first_start:
+        return
+    run = {"tiers": {tier: [_last_stop[tier] - _first_start[tier], _counts[tier]] for tier in TIERS
+                     if tier in _first_start},
+           "start": _run_started, "end": time.time()}
+    runs = _runs_so_far(run)
+    parts = []
+    for index, this in enumerate(runs):
+        beside = [other for other in runs[:index] + runs[index + 1:]
+                  if other["start"] < this["end"] and this["start"] < other["end"]]
+        note = f", beside {' and '.join(t for other in beside for t in other['tiers'])}" if beside else ""
+        parts += [f"{tier} {seconds:.0f} s ({count} tests{note})" for tier, (seconds, count) in this["tiers"].items()]
+    total_s = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    terminalreporter.write_line(f"time per tier: {', '.join(parts)}; total {total_s:.0f} s")
 
 
 @pytest.fixture
