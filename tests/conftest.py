@@ -11,9 +11,6 @@ folders. tests/README.md lists what each test checks.
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -43,16 +40,12 @@ def pytest_collection_modifyitems(items):
             item.add_marker(getattr(pytest.mark, tier))
 
 
-# Each tier's wall-clock span (its first test's start to its last test's end, setup and teardown included, so
-# module fixtures' swarms count) and its number of tests.
+# Each tier's wall-clock span: its first test's start to its last test's end, setup and teardown included (so
+# module fixtures' swarms count), and its number of tests.
 _first_start: dict[str, float] = {}
 _last_stop: dict[str, float] = {}
 _counts: dict[str, int] = defaultdict(int)
 _run_started = time.time()
-
-# `make test` runs pytest three times (unit and deploy side by side, then integration and lab); the variable
-# names a file where each run adds its tiers, so the last run prints all of them.
-TIMES_FILE_VARIABLE = "GEOTRAIN_TEST_TIMES"
 
 
 def pytest_runtest_logreport(report):
@@ -65,39 +58,12 @@ def pytest_runtest_logreport(report):
         _counts[tier] += 1
 
 
-def _runs_so_far(run: dict) -> list[dict]:
-    """This run and those of the same `make test` before it (read and written under a lock: two run at once)."""
-    times_file = os.environ.get(TIMES_FILE_VARIABLE)
-    if not times_file:
-        return [run]
-    with open(times_file, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        handle.seek(0)
-        try:
-            runs = json.loads(handle.read() or "[]") + [run]
-        except ValueError:
-            runs = [run]
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps(runs))
-    return runs
-
-
 def pytest_terminal_summary(terminalreporter):
     if not _first_start:
         return
-    run = {"tiers": {tier: [_last_stop[tier] - _first_start[tier], _counts[tier]] for tier in TIERS
-                     if tier in _first_start},
-           "start": _run_started, "end": time.time()}
-    runs = _runs_so_far(run)
-    parts = []
-    for index, this in enumerate(runs):
-        beside = [other for other in runs[:index] + runs[index + 1:]
-                  if other["start"] < this["end"] and this["start"] < other["end"]]
-        note = f", beside {' and '.join(t for other in beside for t in other['tiers'])}" if beside else ""
-        parts += [f"{tier} {seconds:.0f} s ({count} tests{note})" for tier, (seconds, count) in this["tiers"].items()]
-    total_s = max(r["end"] for r in runs) - min(r["start"] for r in runs)
-    terminalreporter.write_line(f"time per tier: {', '.join(parts)}; total {total_s:.0f} s")
+    parts = [f"{tier} {_last_stop[tier] - _first_start[tier]:.0f} s ({_counts[tier]} tests)" for tier in TIERS
+             if tier in _first_start]
+    terminalreporter.write_line(f"time per tier: {', '.join(parts)}; total {time.time() - _run_started:.0f} s")
 
 
 @pytest.fixture

@@ -45,9 +45,10 @@ def donors_key(run_id: str) -> str:
     return f"{run_id}_state_averager.all_averagers"
 
 
-def read_subkeys(dht, key: str) -> dict[Any, tuple[Any, float]]:
-    """subkey -> (value, expiration time) of a dictionary record; empty values (goodbyes) left out."""
-    record = dht.get(key, latest=True)
+def read_subkeys(dht, key: str, timeout_s: float | None = None) -> dict[Any, tuple[Any, float]]:
+    """subkey -> (value, expiration time) of a dictionary record; empty values (goodbyes) left out. ``timeout_s``:
+    raise TimeoutError after it (a DHT whose process is gone never answers)."""
+    record = dht.get(key, latest=True, return_future=True).result(timeout=timeout_s)
     if record is None or not isinstance(record.value, dict):
         return {}
     return {subkey: (entry.value, entry.expiration_time) for subkey, entry in record.value.items()
@@ -63,10 +64,10 @@ def announced_trainers(dht, run_id: str) -> set[str]:
     return {str(subkey) for subkey in read_subkeys(dht, trainers_key(run_id))}
 
 
-def read_progress(dht, run_id: str) -> dict[str, LocalTrainingProgress]:
+def read_progress(dht, run_id: str, timeout_s: float | None = None) -> dict[str, LocalTrainingProgress]:
     """peer id -> hivemind LocalTrainingProgress, from the signed records every trainer publishes."""
     progress = {}
-    for value, _ in read_subkeys(dht, progress_key(run_id)).values():
+    for value, _ in read_subkeys(dht, progress_key(run_id), timeout_s).values():
         try:
             parsed = LocalTrainingProgress.parse_obj(value)
         except Exception:  # the schema validator rejects malformed records on store; stay defensive on read

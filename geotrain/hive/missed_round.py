@@ -29,14 +29,15 @@ logger = logging.getLogger(__name__)
 
 MISSED = "missed"
 ALONE = "alone"
+READ_TIMEOUT_S = 30.0  # a look-up of the progress records that takes longer is no reason; look again
 LEAVING = "leaving"  # (state rounds: this peer's stop was requested; geotrain.hive.optimizer.RecordingStateAverager)
 
 
 def reason_to_give_up(dht, run_id: str, own_peer_id: str, past_epoch: int) -> str | None:
     """:data:`MISSED` when a trainer's progress record is at ``past_epoch`` or beyond, :data:`ALONE` when this
     peer's own record is the only one, else None. A failed read shows no record at all, this peer's included:
-    no reason."""
-    progress = read_progress(dht, run_id)
+    no reason; one that takes longer than :data:`READ_TIMEOUT_S` raises TimeoutError."""
+    progress = read_progress(dht, run_id, timeout_s=READ_TIMEOUT_S)
     if any(record.epoch >= past_epoch for record in progress.values()):
         return MISSED
     if set(progress) == {own_peer_id}:
@@ -44,17 +45,29 @@ def reason_to_give_up(dht, run_id: str, own_peer_id: str, past_epoch: int) -> st
     return None
 
 
+def dht_is_running(dht) -> bool:
+    """Whether ``dht``'s process is up, as the process that started it sees it (any other process: assumed up)."""
+    try:
+        return dht.is_alive()
+    except AssertionError:  # multiprocessing answers only the process that started it
+        return True
+
+
 def watch_round(control, reason_to_give_up: Callable[[], str | None], period_s: float,
-                on_given_up: Callable[[str], None], first_look_after_s: float = 0.0) -> threading.Thread:
+                on_given_up: Callable[[str], None], first_look_after_s: float = 0.0,
+                dht_alive: Callable[[], bool] = lambda: True) -> threading.Thread:
     """Cancel ``control`` while it looks for a group, once ``reason_to_give_up()`` gives a reason; a daemon thread.
 
-    Looks every ``period_s`` (the first time after ``first_look_after_s``) until the round has a group or ended.
-    ``on_given_up(reason)`` runs after the cancel. A round that has its group is left alone: the others are in it
-    with this peer.
+    Looks every ``period_s`` (the first time after ``first_look_after_s``) until the round has a group or ended,
+    or ``dht_alive()`` says the DHT it reads is shut down (a round scheduled but never begun stays IDLE for good:
+    a watch that outlived its optimizer kept its control's shared memory, which then went with every process
+    forked from this one, and a fork freeing it aborted). ``on_given_up(reason)`` runs after the cancel. A round
+    that has its group is left alone: the others are in it with this peer.
     """
     def watch() -> None:
         time.sleep(first_look_after_s)
-        while not control.done() and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+        while (not control.done() and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+               and dht_alive()):
             try:
                 reason = reason_to_give_up()
             except Exception as error:  # a failed look-up is no reason to give a round up; look again

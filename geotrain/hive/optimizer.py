@@ -23,7 +23,7 @@ from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
 from geotrain.hive.keys import read_progress
 from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
-from geotrain.hive.missed_round import ALONE, LEAVING, MISSED, reason_to_give_up, watch_round
+from geotrain.hive.missed_round import ALONE, LEAVING, MISSED, dht_is_running, reason_to_give_up, watch_round
 from geotrain.hive.part_reducer import install as install_part_reducer_fix
 from geotrain.hive.powersgd import PowerSGDKeepingAverager
 from geotrain.hive.quantization import install as install_quantization_decoder
@@ -185,6 +185,15 @@ class RecordingStateAverager(TrainingStateAverager):
         control.cancel()
         return "state round: cancelled while looking for group"
 
+    def shutdown(self):
+        """The state round not ended yet is cancelled first: with the averager's process gone it could only end at
+        its timeout, and the thread waiting for it holds this averager (its shared memory) until then; a process
+        forked meanwhile (a later DHT or averager in the same Python) inherits that and frees it."""
+        control = self._state_round
+        if control is not None and not control.done():
+            control.cancel()
+        super().shutdown()
+
     def _watch_state_round(self, control, round_epoch: int) -> None:
         def reason() -> str | None:
             if self._leaving:
@@ -199,7 +208,7 @@ class RecordingStateAverager(TrainingStateAverager):
         # the first look after a period: hivemind's _do, which this control is handed to, makes a round of its own
         # (one no watch holds) for a control that is already done when it begins
         watch_round(control, reason, self.missed_round_check_s, on_given_up,
-                    first_look_after_s=self.missed_round_check_s)
+                    first_look_after_s=self.missed_round_check_s, dht_alive=partial(dht_is_running, self.dht))
 
     def load_state_from_peers(self, *args, **kwargs):
         epoch_before = self.local_epoch
@@ -506,7 +515,7 @@ class MeasuredOptimizer(hivemind.Optimizer):
                 self._missed_round_of_epoch = round_epoch
 
         watch_round(control, partial(reason_to_give_up, self.dht, self.run_id, own_peer_id, past_it),
-                    self.missed_round_check_s, on_given_up)
+                    self.missed_round_check_s, on_given_up, dht_alive=partial(dht_is_running, self.dht))
 
     def _load_local_gradients_into_optimizer(self):
         """hivemind's fallback to local gradients, with this peer's kept gradients when its round had started."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 
 import hivemind
 import pytest
@@ -30,7 +31,7 @@ from hivemind.utils.mpfuture import MPFuture
 from geotrain.config import load_config
 from geotrain.hive.keys import progress_key, read_progress, swarm_epoch_and_trainers
 from geotrain.hive.leave import withdraw_from_rounds
-from geotrain.hive.missed_round import reason_to_give_up, watch_round
+from geotrain.hive.missed_round import READ_TIMEOUT_S, dht_is_running, reason_to_give_up, watch_round
 from optimizer_pair import optimizer_pair
 from waiting import wait_until
 
@@ -131,6 +132,25 @@ def test_a_round_that_has_its_group_is_left_alone():
     moved_on.set()
     time.sleep(0.5)
     assert not control.cancelled()
+
+
+def test_a_watch_ends_once_its_dht_is_shut_down_though_its_round_never_ended():
+    """A round scheduled but never begun stays as it is for good. Its watch outlived the optimizer, holding the
+    round's shared memory, which every process forked later inherited: one freed it and aborted (a DHT of
+    test_missed_round, in CI)."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    control = looking_for_a_group()
+    try:
+        watch = watch_round(control, partial(reason_to_give_up, dht, RUN_ID, str(dht.peer_id), 1), period_s=0.1,
+                            on_given_up=lambda _: None, dht_alive=partial(dht_is_running, dht))
+        time.sleep(0.5)
+        assert watch.is_alive() and dht_is_running(dht)
+    finally:
+        dht.shutdown()
+    assert not dht_is_running(dht)
+    watch.join(timeout=READ_TIMEOUT_S + 5)  # a look-up in flight at the shutdown ends at its timeout
+    assert not watch.is_alive(), "the watch outlived the DHT it reads"
+    assert not control.done(), "the round was given up though nothing said so"
 
 
 def test_after_a_round_given_up_the_next_step_loads_the_swarms_state(trainers):
