@@ -48,7 +48,10 @@ def donors_key(run_id: str) -> str:
 def read_subkeys(dht, key: str, timeout_s: float | None = None) -> dict[Any, tuple[Any, float]]:
     """subkey -> (value, expiration time) of a dictionary record; empty values (goodbyes) left out. ``timeout_s``:
     raise TimeoutError after it (a DHT whose process is gone never answers)."""
-    record = dht.get(key, latest=True, return_future=True).result(timeout=timeout_s)
+    if timeout_s is None:
+        record = dht.get(key, latest=True)
+    else:
+        record = dht.get(key, latest=True, return_future=True).result(timeout=timeout_s)
     if record is None or not isinstance(record.value, dict):
         return {}
     return {subkey: (entry.value, entry.expiration_time) for subkey, entry in record.value.items()

@@ -203,7 +203,7 @@ def test_infinite_or_nan_settings_are_refused(key, value):
 def test_lr_inf_on_the_command_line_is_refused(capsys):
     from geotrain.cli import main
 
-    assert main(["local", "--lr", "inf"]) == 2
+    assert main(["local", "--lr", "inf"], embedded=True) == 2
     err = capsys.readouterr().err
     assert "optimizer.learning_rate: input should be a finite number, got inf" in err and "Traceback" not in err
 

@@ -41,7 +41,7 @@ def signal_handlers_kept():
 
 def refusal(capsys, *argv: str) -> str:
     """`geotrain local ARGV` in this process: it must exit 2 with one message and no traceback."""
-    code = main(["local", *argv])
+    code = main(["local", *argv], embedded=True)
     captured = capsys.readouterr()
     assert code == EXIT_BAD_INPUT, captured.out + captured.err
     assert "Traceback" not in captured.err

@@ -226,7 +226,7 @@ def refusal(capsys, *argv: str) -> str:
     """What ``geotrain ARGV`` printed when it refused its input: one line, exit code 2."""
     from geotrain.cli import main as geotrain
 
-    code = geotrain(list(argv))
+    code = geotrain(list(argv), embedded=True)
     err = capsys.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err and err.count("\n") == 1, err
@@ -292,13 +292,13 @@ def test_an_existing_profile_is_replaced_only_with_overwrite(tmp_path, capsys):
 
     profiles = tmp_path / "profiles"
     first, second = write_summary(tmp_path / "a.json"), write_summary(tmp_path / "b.json", parameters=600_000)
-    assert geotrain(["profile", "--from-run", str(first), "--name", "mine", "--profiles-dir", str(profiles)]) == 0
+    assert geotrain(["profile", "--from-run", str(first), "--name", "mine", "--profiles-dir", str(profiles)], embedded=True) == 0
     written = (profiles / "mine.yaml").read_text()
     err = refusal(capsys, "profile", "--from-run", str(second), "--name", "mine", "--profiles-dir", str(profiles))
     assert f"a profile named 'mine' already exists ({profiles / 'mine.yaml'}); pass --overwrite" in err, err
     assert (profiles / "mine.yaml").read_text() == written  # nothing lost
     assert geotrain(["profile", "--from-run", str(second), "--name", "mine", "--profiles-dir", str(profiles),
-                     "--overwrite"]) == 0
+                     "--overwrite"], embedded=True) == 0
     assert "parameters: 600000" in (profiles / "mine.yaml").read_text()
 
 

@@ -28,7 +28,7 @@ def windows_1252(tmp_path, name: str, text: str) -> tuple[str, int]:
 
 def refusal(capsys, argv: list[str]) -> str:
     """What ``geotrain ARGV`` printed when it refused its input (exit code 2, no traceback)."""
-    code = cli.main(argv)
+    code = cli.main(argv, embedded=True)
     err = capsys.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err and "UnicodeDecodeError" not in err, err
