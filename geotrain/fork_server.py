@@ -11,7 +11,9 @@ command, which then runs ``geotrain``'s command line exactly as ``python -m geot
     server.close()
 
 Each child starts a session of its own (``os.killpg(peer.pid, ...)`` reaches its whole tree), has stdin from
-/dev/null and stdout and stderr in its log, gets SIGTERM when the server dies, and shows its own command line in
+/dev/null and stdout and stderr in its log, gets SIGTERM when the server dies, makes its own multiprocessing locks
+where modules made them at import (hivemind's MPFuture locks: shared, one killed sibling would block all others),
+and shows its own command line in
 ``ps`` and ``/proc/PID/cmdline`` (``python -m geotrain peer ...``), so tools that find a run's processes by their
 command line find these. The server ends when the process that started it closes it or dies.
 
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import runpy
 import select
@@ -191,7 +195,33 @@ def _reap(codes: dict[int, int]) -> None:
         codes[pid] = os.waitstatus_to_exitcode(status)
 
 
-def _become_child(request: dict, closing: list[int]) -> list[str]:
+def find_import_time_locks() -> list[tuple[object, str]]:
+    """(module or class, attribute) of every multiprocessing Lock and RLock that loaded modules made at import
+    (hivemind's MPFuture update and initialization locks, its SharedBytes and executor locks, ...)."""
+    found = []
+    for module in list(sys.modules.values()):
+        try:
+            contents = dict(vars(module))
+        except TypeError:
+            continue
+        namespaces = [module] + [value for value in contents.values()
+                                 if isinstance(value, type) and value.__module__ == module.__name__]
+        for namespace in namespaces:
+            for name, value in list(vars(namespace).items()):
+                if type(value) in (multiprocessing.synchronize.Lock, multiprocessing.synchronize.RLock):
+                    found.append((namespace, name))
+    return found
+
+
+def renew_import_time_locks(locations: list[tuple[object, str]]) -> None:
+    """A new lock in each place: these are semaphores in shared memory, so every child of one server would share
+    its siblings' (a fresh Python makes its own), and one killed while holding one (a SIGKILLed peer sending a
+    result) would block the others for good: seen in CI, a coordinator's DHT stuck in MPFuture's update lock."""
+    for namespace, name in locations:
+        setattr(namespace, name, type(getattr(namespace, name))(ctx=multiprocessing.get_context()))
+
+
+def _become_child(request: dict, closing: list[int], import_time_locks: list[tuple[object, str]]) -> list[str]:
     """In the forked child: the session, files, environment and signals ``python -m geotrain`` would have."""
     for fd in closing:
         os.close(fd)
@@ -201,6 +231,7 @@ def _become_child(request: dict, closing: list[int]) -> list[str]:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setsid()
     die_with_parent()
+    renew_import_time_locks(import_time_locks)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -239,6 +270,7 @@ def serve(connection_fd: int) -> list[str] | None:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # as geotrain's CLI sets it; --log-level DEBUG resets it
     for name in PRELOADED_MODULES:
         importlib.import_module(name)
+    import_time_locks = find_import_time_locks()
     _set_command_line([sys.executable, "-m", "geotrain.fork_server", *sys.argv[1:2]])
     connection = socket.socket(fileno=connection_fd)
     wake_read, wake_write = os.pipe()
@@ -273,7 +305,7 @@ def serve(connection_fd: int) -> list[str] | None:
                 if pid == 0:
                     requests.close()
                     connection.close()
-                    return _become_child(request["spawn"], [wake_read, wake_write])
+                    return _become_child(request["spawn"], [wake_read, wake_write], import_time_locks)
                 reply = {"pid": pid}
         connection.sendall((json.dumps({**reply, "id": request.get("id")}) + "\n").encode())
 

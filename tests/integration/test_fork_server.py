@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,3 +75,28 @@ def test_a_killed_child_reports_its_signal_and_one_left_by_a_dead_server_gets_si
             second.poll()
     finally:
         server.close()
+
+
+RENEWED_LOCKS = """
+import importlib, json, sys
+from geotrain import fork_server
+for name in fork_server.PRELOADED_MODULES:
+    importlib.import_module(name)
+locations = fork_server.find_import_time_locks()
+from hivemind.utils.mpfuture import MPFuture
+MPFuture._update_lock.acquire()  # as a sibling killed while sending a result leaves it
+fork_server.renew_import_time_locks(locations)
+future = MPFuture()
+future.set_result(7)  # sends its update under the lock
+print(json.dumps({"found": sorted(f"{getattr(n, '__name__', n)}.{a}" for n, a in locations),
+                  "result": future.result(timeout=10)}))
+"""
+
+
+def test_a_child_makes_its_own_import_time_locks_so_a_killed_sibling_blocks_nothing():
+    result = subprocess.run([sys.executable, "-c", RENEWED_LOCKS], capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert {"MPFuture._update_lock", "MPFuture._initialization_lock"} <= set(report["found"]), report
+    assert report["result"] == 7
