@@ -17,8 +17,7 @@ demo: $(STAMP)
 		--run-dir runs/demo --json runs/demo/summary.json
 
 # One test at a time: the swarms of integration and lab tests time their rounds and would starve each other,
-# and hivemind objects of in-process unit tests live on in threads past their test (CI at f735178, with the
-# deploy tier beside the unit tier: a DHT forked by a later test aborted freeing their shared memory).
+# and the unit tier beside another (pytest-xdist, or the deploy tier alongside) hung or aborted in CI.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 tests
 

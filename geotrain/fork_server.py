@@ -25,6 +25,7 @@ CODE or null}`` (a negative code: the signal that ended the child, as ``subproce
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import multiprocessing
 import multiprocessing.synchronize
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from geotrain.lifecycle import die_with_parent
@@ -122,11 +124,10 @@ class ForkServer:
         return server
 
     def spawn(self, arguments: list[str], log_path: Path, env: dict[str, str] | None = None,
-              cwd: Path | None = None, append: bool = False, stderr_path: Path | None = None) -> ForkedProcess:
-        """``geotrain ARGUMENTS`` in a child writing stdout and stderr to ``log_path`` (stderr to ``stderr_path``
-        if given); ``env``: its whole environment (default: this process's); ``append``: to the files."""
+              cwd: Path | None = None, append: bool = False) -> ForkedProcess:
+        """``geotrain ARGUMENTS`` in a child writing stdout and stderr to ``log_path``; ``env``: its whole
+        environment (default: this process's); ``append``: to the log, not over it."""
         request = {"arguments": list(arguments), "log_path": str(log_path), "append": append,
-                   "stderr_path": str(stderr_path) if stderr_path else None,
                    "env": dict(os.environ if env is None else env), "cwd": str(cwd) if cwd else None}
         pid = self._ask({"spawn": request})["pid"]
         return ForkedProcess(self, pid, ["geotrain", *arguments])
@@ -236,12 +237,10 @@ def _become_child(request: dict, closing: list[int], import_time_locks: list[tup
     os.dup2(null, 0)
     os.close(null)
     mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC)
-    for fds, path in (((1, 2), request["log_path"]), ((2,), request["stderr_path"])):
-        if path:
-            opened = os.open(path, mode, 0o644)
-            for fd in fds:
-                os.dup2(opened, fd)
-            os.close(opened)
+    log = os.open(request["log_path"], mode, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
     os.environ.clear()
     os.environ.update(request["env"])
     if request["cwd"]:
@@ -262,10 +261,6 @@ def _become_child(request: dict, closing: list[int], import_time_locks: list[tup
 
 def serve(connection_fd: int) -> list[str] | None:
     """Answer requests until the parent closes the connection (None); in each forked child, its arguments."""
-    import importlib
-
-    import warnings
-
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # as geotrain's CLI sets it; --log-level DEBUG resets it
     for name in PRELOADED_MODULES:

@@ -84,7 +84,7 @@ def mirrored_manifests(filesystem: s3fs.S3FileSystem) -> list[dict]:
     return sorted(manifests, key=lambda manifest: manifest["version"], reverse=True)
 
 
-def stop(process) -> int:
+def stop(process: subprocess.Popen) -> int:
     process.send_signal(signal.SIGTERM)
     return process.wait(timeout=40)
 
