@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 from geotrain.events import read_events
+from geotrain.fork_server import ForkedProcess, ForkServer
 from geotrain.processes import is_alive as alive
 
 # Small enough for 2 shared cores, large enough that an epoch takes a few seconds and peers meet in it.
@@ -29,17 +31,28 @@ def geotrain(*arguments: str, timeout_s: float = 300, cwd: Path | None = None) -
 
 
 def spawn(*arguments: str, log_path: Path, env: dict[str, str] | None = None,
-          whole_env: dict[str, str] | None = None) -> subprocess.Popen:
+          whole_env: dict[str, str] | None = None) -> ForkedProcess:
     """A geotrain process in a session of its own (``os.killpg(process.pid, ...)`` reaches all of its children);
     ``env``: variables added to this process's environment, ``whole_env``: its environment instead.
 
-    A fresh Python each, not geotrain's fork server (which `geotrain local` uses): with forked trainers, two
-    timing-bound checks failed in fresh-clone CI (test_swarm_modes' delayed updates, test_hostile_peers' weight
-    refusal), not yet understood."""
-    with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "geotrain", *arguments], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
+    Forked by the session's fork server (geotrain.fork_server, as `geotrain local` starts its peers), which has
+    imported torch and hivemind once for all of them: a peer's start costs a fork, not 2.4 CPU-s of imports. The
+    process runs the CLI as ``python -m geotrain`` would, and its command line in /proc says so
+    (tests/integration/test_fork_server.py checks both)."""
+    log_path.write_text("")  # there before the child opens it, as with subprocess.Popen
+    return _fork_server().spawn(list(arguments), log_path=log_path, append=True,
                                 env=whole_env if whole_env is not None else {**os.environ, **(env or {})})
+
+
+_started_fork_server: ForkServer | None = None
+
+
+def _fork_server() -> ForkServer:
+    global _started_fork_server
+    if _started_fork_server is None or _started_fork_server.process.poll() is not None:
+        _started_fork_server = ForkServer.start(label="geotrain-tests")
+        atexit.register(_started_fork_server.close)
+    return _started_fork_server
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.3):
@@ -85,7 +98,7 @@ class Swarm:
         # pids come round again (pid_max is 32768 here): files a dead process of an earlier test left under a
         # pid that a peer of this test now has are not this peer's
         self.shared_memory_at_start = shared_memory_files()
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[subprocess.Popen | ForkedProcess] = []
         self.initial_peers: list[str] = []
 
     def start_coordinator(self, *arguments: str) -> list[str]:
@@ -99,7 +112,7 @@ class Swarm:
         return self.initial_peers
 
     def start_trainer(self, name: str, *arguments: str, env: dict[str, str] | None = None,
-                      initial_peers_file: Path | None = None) -> tuple[subprocess.Popen, Path]:
+                      initial_peers_file: Path | None = None) -> tuple[ForkedProcess, Path]:
         """A trainer that joins through the coordinator, or, given ``initial_peers_file``, one that loads torch
         and builds its model now and joins once :meth:`let_join` writes the coordinator's address there."""
         events = self.directory / f"{name}.jsonl"
