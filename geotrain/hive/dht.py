@@ -22,6 +22,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from geotrain.config import SwarmConfig
 from geotrain.errors import StopRequested, SwarmUnreachableError, UserError
+from geotrain.hive.hivemind_contract import check_hivemind_version
 from geotrain.hive.identity import check_identity_file
 from geotrain.ports import ensure_port_free
 from geotrain.processes import start_shared_memory_manager
@@ -54,6 +55,7 @@ def start_dht(swarm: SwarmConfig, stop: threading.Event | None = None):
     """Start this peer's DHT node; raise a :class:`~geotrain.errors.UserError` or
     :class:`SwarmUnreachableError` with an operator's message, or :class:`~geotrain.errors.StopRequested` as
     soon as ``stop`` is set while joining (within :data:`JOIN_POLL_S`, the DHT's processes stopped)."""
+    check_hivemind_version()  # the overrides geotrain installs are written for one hivemind
     ensure_port_free(swarm.host, swarm.port, "DHT", "--port")
     token = load_swarm_token(swarm)  # an unreadable or short token: exit 2 before anything starts
     admission = Admission(swarm.run_id, token, load_allowed_peer_ids(swarm))

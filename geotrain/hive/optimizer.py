@@ -21,14 +21,12 @@ from geotrain.config import GeotrainConfig
 from geotrain.hive.diloco import OuterStateAverager, diloco_optimizer_class
 from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm_token
 from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
+from geotrain.hive.hivemind_contract import install_patches
 from geotrain.hive.keys import read_progress
 from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.missed_round import ALONE, LEAVING, MISSED, dht_is_running, reason_to_give_up, watch_round
-from geotrain.hive.part_reducer import install as install_part_reducer_fix
 from geotrain.hive.powersgd import PowerSGDKeepingAverager
-from geotrain.hive.quantization import install as install_quantization_decoder
 from geotrain.hive.rounds import averaging_round_result, round_error
-from geotrain.hive.task_references import install as install_task_references
 from geotrain.hive.step_guard import StepGuard, all_finite
 from geotrain.schedule import schedule_of
 
@@ -560,9 +558,7 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
     False: no checks at all (tests' hostile peers).
     """
     opt = config.optimizer
-    install_quantization_decoder()  # before hivemind's averagers fork: they decode the parts others send
-    install_part_reducer_fix()  # ... and reduce them: a member that vanishes mid-round must not stall the round
-    install_task_references()  # ... and keep their running tasks alive: a collected round wedges the averager
+    install_patches()  # before hivemind's averagers fork: they fork with them
     report = guard_report if guard_report is not None else GuardReport(None)
     admission = Admission(config.swarm.run_id, load_swarm_token(config.swarm), load_allowed_peer_ids(config.swarm))
     grad_averager_options = {}
