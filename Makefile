@@ -18,8 +18,12 @@ demo: $(STAMP)
 
 # One test at a time: the swarms of integration and lab tests time their rounds and would starve each other,
 # and the unit tier beside another (pytest-xdist, or the deploy tier alongside) hung or aborted in CI.
-test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 tests
+# The deploy tests' tool environments (.venv-tools, .venv-sky: tests/deploy/deploy_tools.py) build beside .venv
+# on a fresh clone, not inside the first deploy test; a test that finds one still building waits for it (a lock).
+test:
+	@$(PYTHON) tests/deploy/deploy_tools.py & tools=$$!; \
+	$(MAKE) --no-print-directory $(STAMP) || { wait $$tools; exit 1; }; \
+	$(BIN)/python -m pytest -q --durations=15 tests; status=$$?; wait $$tools; exit $$status
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

@@ -19,6 +19,7 @@ import logging
 import re
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass, field
 
 from geotrain.processes import descendants
@@ -89,7 +90,13 @@ class TrafficTotals:
 
 
 class TrafficMeter:
-    """Cumulative TCP bytes of the ``p2pd`` processes below ``root_pid`` (this peer)."""
+    """Cumulative TCP bytes of the ``p2pd`` processes below ``root_pid`` (this peer).
+
+    A connection's bytes are read while it is open; one that closes between two samples keeps the bytes of
+    the last sample that saw it. :meth:`start_sampling` samples in the background, so what a connection
+    carries just before it closes (a final state that the other peer downloads, then hangs up) is lost for
+    at most one period, not for the time between two publications of the peer's record.
+    """
 
     def __init__(self, root_pid: int, daemon_name: str = "p2pd"):
         self.root_pid = root_pid
@@ -98,6 +105,8 @@ class TrafficMeter:
         self._open: dict[tuple[str, str], tuple[int, int]] = {}
         self._closed = TrafficTotals()
         self._warned = False
+        self._lock = threading.Lock()  # the background sampler and a caller's sample()
+        self._stop_sampling = threading.Event()
         if self._ss is None:
             logger.warning("'ss' (iproute2) is not installed: this peer's sent and received bytes are not measured")
 
@@ -113,13 +122,29 @@ class TrafficMeter:
         return pids
 
     def sample(self) -> TrafficTotals:
-        if self._ss is not None:
-            self._update()
-        totals = TrafficTotals(dict(self._closed.sent_by_remote), dict(self._closed.received_by_remote))
-        for (_local, remote), (sent, received) in self._open.items():
-            totals.sent_by_remote[remote] = totals.sent_by_remote.get(remote, 0) + sent
-            totals.received_by_remote[remote] = totals.received_by_remote.get(remote, 0) + received
+        with self._lock:
+            if self._ss is not None:
+                self._update()
+            totals = TrafficTotals(dict(self._closed.sent_by_remote), dict(self._closed.received_by_remote))
+            for (_local, remote), (sent, received) in self._open.items():
+                totals.sent_by_remote[remote] = totals.sent_by_remote.get(remote, 0) + sent
+                totals.received_by_remote[remote] = totals.received_by_remote.get(remote, 0) + received
         return totals
+
+    def start_sampling(self, period_s: float) -> None:
+        """Sample every ``period_s`` in a daemon thread until :meth:`stop_sampling`."""
+        def sample_until_stopped():
+            while not self._stop_sampling.wait(period_s):
+                try:
+                    self.sample()
+                except Exception as error:  # (ss vanished, /proc raced): the next period tries again
+                    logger.debug("traffic not sampled: %s", error)
+
+        if self._ss is not None:
+            threading.Thread(target=sample_until_stopped, name="traffic-sampler", daemon=True).start()
+
+    def stop_sampling(self) -> None:
+        self._stop_sampling.set()
 
     def _update(self) -> None:
         pids = self._daemon_pids()

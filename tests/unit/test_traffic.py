@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
-import shutil
+import sys
 
 import pytest
 from pydantic.v1 import ValidationError
 
 from geotrain.hive.metric_records import MetricRecord
 from geotrain.telemetry.reporter import listen_addresses
-from geotrain.telemetry.traffic import parse_ss
+from geotrain.telemetry.traffic import TrafficMeter, parse_ss
 
 SS_OUTPUT = """\
 0      0      127.0.0.1:46324 127.0.0.1:49065 users:(("p2pd",pid=4242,fd=4))
@@ -76,3 +78,38 @@ def test_malformed_records_are_refused(field, value):
 def test_records_with_unknown_fields_are_refused():
     with pytest.raises(ValidationError):
         MetricRecord.parse_obj({**VALID, "admin": True})
+
+
+CLOSING_SENDER = """
+import socket, sys, time
+with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as connection:
+    connection.sendall(b"x" * 300_000)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="ss (iproute2) is not installed")
+def test_the_bytes_of_a_connection_that_closes_between_two_reads_are_counted():
+    """A peer that downloads the final state and hangs up before this peer reads its counters again: what
+    the connection carried is still counted (sampled in the background), not lost with the connection."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        sender = subprocess.Popen([sys.executable, "-c", CLOSING_SENDER, str(port), "2.0"])
+        try:
+            with open(f"/proc/{sender.pid}/comm") as handle:
+                meter = TrafficMeter(os.getpid(), daemon_name=handle.read().strip())
+            meter.start_sampling(0.2)
+            accepted, _ = server.accept()
+            with accepted:
+                received = 0
+                while chunk := accepted.recv(65536):  # until the sender closes
+                    received += len(chunk)
+            assert sender.wait(timeout=30) == 0
+        finally:
+            sender.kill()
+        meter.stop_sampling()
+        sent = meter.sample().sent_by_remote.get(f"127.0.0.1:{port}", 0)
+    assert received == 300_000
+    assert sent >= 300_000, f"the meter counted {sent} bytes of the 300000 the closed connection sent"
