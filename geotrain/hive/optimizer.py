@@ -27,7 +27,7 @@ from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.missed_round import ALONE, LEAVING, MISSED, dht_is_running, reason_to_give_up, watch_round
 from geotrain.hive.powersgd import PowerSGDKeepingAverager
 from geotrain.hive.rounds import averaging_round_result, round_error
-from geotrain.hive.step_guard import StepGuard, all_finite
+from geotrain.hive.step_guard import StepGuard, all_finite, reset_statistics
 from geotrain.schedule import schedule_of
 
 logger = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class RecordingStateAverager(TrainingStateAverager):
         if not (all_finite(offloaded) and all_finite(self.extra_tensors)):
             restored = self.step_guard is not None and self.step_guard.restore(offloaded, self.extra_tensors)
             if restored:
-                self.optimizer.state.clear()  # the same round averaged the statistics in place too
+                reset_statistics(self.optimizer)  # the same round averaged the statistics in place too
             logger.warning("non-finite parameters after a state averaging round; %s", "restored those of the last good "
                            "step" if restored else "no good copy is kept (guard.keep_last_good_parameters is off)")
             if self.guard_report is not None:
@@ -288,7 +288,7 @@ class RecordingStateAverager(TrainingStateAverager):
     def _restore(self, parameters, kept, epoch_before: int) -> None:
         for parameter, old in zip(parameters, kept):
             parameter.copy_(old)
-        self.optimizer.state.clear()  # torch optimizers start their statistics afresh on the next step
+        reset_statistics(self.optimizer)
         if self.offload_optimizer:
             self._apply_optimizer_parameters_()
         logger.warning("refused the downloaded state of epoch %d: it holds non-finite values; this peer keeps its "

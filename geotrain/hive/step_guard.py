@@ -42,6 +42,24 @@ def total_norm(tensors) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
 
 
+@torch.no_grad()
+def reset_statistics(optimizer: torch.optim.Optimizer) -> None:
+    """Start the optimizer's statistics afresh after an overflow spoilt them, *in place*: every tensor of its
+    state zeroed (Adam's step count included: its next step is a first step), every key and tensor kept.
+
+    Clearing the state instead broke two things. hivemind loads a downloaded state into the layout of the
+    loader's own optimizer state, and a state without statistics does not fit one with them: the load is
+    refused, quietly (seen in CI: a follower downloaded the final state from a finalizer that had just restored
+    its parameters, 60 times in 60 s, and never took it). And the averaged optimizer statistics are the state's
+    own tensors: new ones made by the next step would no longer be the ones averaged."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                state[key] = type(value)(0)
+
+
 OWN_NORM_FACTOR = 10  # x guard.step_norm_factor: the bound against this peer's own gradient, checked from step 1
 
 
@@ -103,7 +121,7 @@ class StepGuard:
             return
         restored = self.restore(parameters, self.extra_tensors)
         if restored:
-            optimizer.state.clear()
+            reset_statistics(optimizer)
         logger.error("the step left non-finite parameters; %s", "restored those of the last good step" if restored
                      else "no good copy is kept (guard.keep_last_good_parameters is off)")
         self.report.count("parameters", "non-finite after step")

@@ -28,8 +28,9 @@ MODES = {
     # With delayed updates an epoch's step lands while the next epoch computes its gradients, at the latest
     # when that epoch ends (on 2 busy cores the background round finishes only then): the loss of epoch e
     # shows e - 2 steps, and the second step comes from the same weights as the first (one process that
-    # steps so: 2.34, 2.37, 2.04, 2.09, 1.59). One more epoch than the others shows the loss falling.
-    "delayed-parameter-updates": (["--delayed-parameter-updates"], 5),
+    # steps so: 2.34, 2.37, 2.04, 2.09, 1.59). Three more epochs than the others show the loss falling: with
+    # one more, a CI run's fifth epoch was at 0.81 of its first (2.33, 2.34, 2.05, 2.00, 1.90; the test asks 0.8).
+    "delayed-parameter-updates": (["--delayed-parameter-updates"], 7),
     "local-updates": (["--local-updates"], 4),
 }
 

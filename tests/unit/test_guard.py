@@ -9,6 +9,7 @@ import multiprocessing
 
 import pytest
 import torch
+from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_state
 from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 
@@ -244,6 +245,32 @@ def test_non_finite_parameters_after_a_step_are_restored(tmp_path):
     assert report.counts()[("parameters", "non-finite after step")] == 1
     assert not math.isnan(float(model.weight.detach().sum()))
 
+
+
+def test_after_a_restore_the_state_can_still_be_served_to_a_peer_with_statistics(tmp_path):
+    """The restore starts Adam's statistics afresh in place: the same tensors, zeroed, so that a peer whose
+    optimizer has statistics can load this peer's state (a follower could not take a finalizer's final state
+    for 60 s after the finalizer had restored its parameters: its statistics were gone, the layouts differed)."""
+    report = GuardReport(tmp_path / "events.jsonl")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = with_step_guard(torch.optim.Adam, StepGuard(GuardConfig(), report, peer_id="me"))(
+        model.parameters(), lr=0.1)
+    step_with(model, optimizer, 1.0)
+    statistics = {id(tensor) for state in optimizer.state.values() for tensor in state.values()}
+    optimizer.param_groups[0]["lr"] = float("inf")
+    step_with(model, optimizer, 1.0)
+    assert report.counts()[("parameters", "non-finite after step")] == 1
+    kept = [tensor for state in optimizer.state.values() for tensor in state.values()]
+    assert {id(tensor) for tensor in kept} == statistics and all(not tensor.any() for tensor in kept)
+
+    follower_model = torch.nn.Linear(8, 1)
+    follower = torch.optim.Adam(follower_model.parameters(), lr=0.1)
+    step_with(follower_model, follower, 1.0)
+    load_optimizer_state(follower, *dump_optimizer_state(optimizer))
+    assert all(not tensor.any() for state in follower.state.values() for tensor in state.values())
+    optimizer.param_groups[0]["lr"] = 0.1
+    assert step_with(model, optimizer, 1.0).abs().sum() > 0  # and it trains on, as from a first step
 
 # --- a donor serves a bounded number of downloads at once --------------------------------------------------
 class _SlowDonor:
