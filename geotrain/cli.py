@@ -23,7 +23,7 @@ from geotrain.capacity import check_trainer_count
 from geotrain.config import ConfigError, GeotrainConfig, load_config
 from geotrain.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED, OperatorError,
                              StopRequested, SwarmUnreachableError, UserError)
-from geotrain.hive.admission_files import check_admission_files
+from geotrain.hive.dht.admission_files import check_admission_files
 from geotrain.lab.command import add_lab_commands
 from geotrain.lifecycle import Stopper
 from geotrain.local import LocalSwarm
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_peer(args: argparse.Namespace) -> int:
     config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, PEER_FLAGS])
     if config.swarm.identity_path is not None:
-        from geotrain.hive.identity import check_identity_file  # hivemind
+        from geotrain.hive.dht.identity import check_identity_file  # hivemind
 
         check_identity_file(config.swarm.identity_path, f"--identity {config.swarm.identity_path}")
     from geotrain.trainer import Trainer  # torch and hivemind: only for the commands that train
@@ -307,7 +307,7 @@ def run_status_command(args: argparse.Namespace) -> int:
 
 def run_identity(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
-    from geotrain.hive.identity import peer_id_of  # hivemind
+    from geotrain.hive.dht.identity import peer_id_of  # hivemind
 
     print(peer_id_of(args.path, create=True))
     return EXIT_OK

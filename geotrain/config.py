@@ -70,7 +70,7 @@ class _Strict(BaseModel):
 # loopback and LAN, where a renewal costs milliseconds; hivemind's 60 s between continents.
 # state_download_min_mbit_s and state_download_stall_s: a state donor that sends nothing for the stall
 # time, or less than the minimum rate after a few seconds, is dropped for the next (nearest first:
-# geotrain.hive.donors); the last donor gets the state's bytes at that rate. Set well below what one
+# geotrain.hive.state.donors); the last donor gets the state's bytes at that rate. Set well below what one
 # link of the profile carries (the thinnest intercontinental links of [EMJ24] Table 3 carry tens of Mbit/s).
 # fp16 gradient compression halves the traffic at no measurable loss of accuracy [EMJ24 used it
 # in every run]; it is the default everywhere.

@@ -30,12 +30,12 @@ import yaml
 from geotrain.checkpoint import CheckpointStore
 from geotrain.config import GeotrainConfig
 from geotrain.errors import SwarmUnreachableError, UserError
-from geotrain.hive.dht import connected_peer_addresses, start_dht, visible_addresses
-from geotrain.hive.identity import check_identity_file
-from geotrain.hive.keys import swarm_epoch_and_trainers
-from geotrain.hive.metric_records import read_records
-from geotrain.hive.optimizer import build_hivemind_optimizer
-from geotrain.hive.state import capture_state, restore_state
+from geotrain.hive.dht.node import connected_peer_addresses, start_dht, visible_addresses
+from geotrain.hive.dht.identity import check_identity_file
+from geotrain.hive.dht.keys import swarm_epoch_and_trainers
+from geotrain.hive.dht.metric_records import read_records
+from geotrain.hive.optim.optimizer import build_hivemind_optimizer
+from geotrain.hive.state.snapshot import capture_state, restore_state
 from geotrain.lifecycle import Stopper
 from geotrain.tasks import build_task
 from geotrain.telemetry.metrics import SwarmMetrics
@@ -53,7 +53,7 @@ DONOR_PRIORITY_BONUS = 0.5
 def refresh_due(swarm_epoch: int, epoch: int, trainer_in_region: bool, settings) -> bool:
     """Whether to download the swarm's state now to keep the state this coordinator offers current.
 
-    Newcomers take a donor within one epoch of the newest by region, then round trip (geotrain.hive.donors):
+    Newcomers take a donor within one epoch of the newest by region, then round trip (geotrain.hive.state.donors):
     a coordinator one epoch behind wins over current trainers farther away, and its state leaves them one
     optimizer step behind the others. Seen in the churn soak: a trainer that rejoined next to the coordinator
     loaded its state of the last checkpoint, one epoch old, missed the swarm's round and downloaded again from
@@ -65,7 +65,7 @@ def refresh_due(swarm_epoch: int, epoch: int, trainer_in_region: bool, settings)
 
 
 def trainer_in_region(records: dict, region: str) -> bool:
-    """Whether any trainer's metric record (geotrain.hive.metric_records.read_records) names ``region``."""
+    """Whether any trainer's metric record (geotrain.hive.dht.metric_records.read_records) names ``region``."""
     return any(peer.record.role == "trainer" and peer.record.region == region for peer in records.values())
 
 

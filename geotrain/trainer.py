@@ -37,13 +37,13 @@ import torch
 from geotrain.compute import Compute, resolve_compute
 from geotrain.config import GeotrainConfig
 from geotrain.events import EventLog
-from geotrain.hive.dht import start_dht, visible_addresses
-from geotrain.hive.finalize import agree_on_final_state
-from geotrain.hive.keys import announce_trainer, announced_trainers, best_donor_epoch, read_progress
-from geotrain.hive.leave import leave_swarm, stop_offering_state, withdraw_from_rounds
-from geotrain.hive.guard import GuardReport
-from geotrain.hive.optimizer import build_hivemind_optimizer
-from geotrain.hive.state import current_learning_rate, parameters_sha256
+from geotrain.hive.dht.node import start_dht, visible_addresses
+from geotrain.hive.state.finalize import agree_on_final_state
+from geotrain.hive.dht.keys import announce_trainer, announced_trainers, best_donor_epoch, read_progress
+from geotrain.hive.optim.leave import leave_swarm, stop_offering_state, withdraw_from_rounds
+from geotrain.hive.guard.contributions import GuardReport
+from geotrain.hive.optim.optimizer import build_hivemind_optimizer
+from geotrain.hive.state.snapshot import current_learning_rate, parameters_sha256
 from geotrain.initial_peers_file import wait_for_initial_peers
 from geotrain.lifecycle import Stopper
 from geotrain.preemption import EXIT_PREEMPTED, start_watcher

@@ -8,7 +8,7 @@ private hivemind name that is not listed. An upgrade that renames or reshapes on
 silently bypassing an override.
 
 :func:`check_hivemind_version` refuses any other hivemind version with what to install (a peer calls it before
-it starts hivemind: :func:`geotrain.hive.dht.start_dht`, :func:`install_patches`).
+it starts hivemind: :func:`geotrain.hive.dht.node.start_dht`, :func:`install_patches`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from geotrain.errors import UserError
-from geotrain.hive.part_reducer import install as install_part_reducer_fix
-from geotrain.hive.quantization import install as install_quantization_decoder
-from geotrain.hive.task_references import install as install_task_references
+from geotrain.hive.patches.part_reducer import install as install_part_reducer_fix
+from geotrain.hive.patches.quantization import install as install_quantization_decoder
+from geotrain.hive.patches.task_references import install as install_task_references
 
 HIVEMIND_VERSION = "1.1.12"
 
@@ -46,7 +46,7 @@ _OPTIMIZER = "hivemind.optim.optimizer.Optimizer"
 _POWER_SGD = "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager"
 
 INTERNALS: tuple[Internal, ...] = (
-    # --- averagers: what peers send each other (geotrain.hive.guard, donors, stripes) ---------------------
+    # --- averagers: what peers send each other (geotrain.hive.guard.contributions, donors, stripes) ---------------------
     Internal(_AVERAGER, "rpc_join_group", OVERRIDE, ("self", "request", "context"),
              "refuse banned and unadmitted peers before they join a group (guard)"),
     Internal(_AVERAGER, "rpc_aggregate_part", OVERRIDE, ("self", "stream", "context"),
@@ -68,7 +68,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_AVERAGER, "_pending_groups_registered", READ, None, "wait for that round to be registered (guard)"),
     Internal("hivemind.p2p.servicer.ServicerBase", "_get_handle_name", REPLACE, ("cls", "namespace", "method_name"),
              "answer under the hivemind class's handler names whatever geotrain's class is called"),
-    # --- the state averager (geotrain.hive.optimizer, diloco, state) ------------------------------------
+    # --- the state averager (geotrain.hive.optim.optimizer, diloco, state) ------------------------------------
     Internal(_STATE_AVERAGER, "_do", OVERRIDE, ("self", "wait_for_trigger", "optimizer_step", "zero_grad",
                                                "averaging_round", "averaging_control", "grad_scaler",
                                                "set_to_none", "timeout", "kwargs"),
@@ -84,7 +84,7 @@ INTERNALS: tuple[Internal, ...] = (
              "clear the delta rule's round start after a download (a later result is then copied, not added)"),
     Internal(_STATE_AVERAGER, "_update_scheduler", CALL, ("self",),
              "step the learning-rate schedule to the epoch of a restored or loaded state"),
-    # --- the optimizer (geotrain.hive.optimizer, diloco, local_gradients, missed_round) -----------------
+    # --- the optimizer (geotrain.hive.optim.optimizer, diloco, local_gradients, missed_round) -----------------
     Internal(_OPTIMIZER, "_make_state_averager", REPLACE, ("self", "kwargs"),
              "build geotrain's state averager class, with its checks in place before its process forks"),
     Internal(_OPTIMIZER, "_make_progress_tracker", OVERRIDE, ("self", "target_batch_size", "kwargs"),
@@ -101,7 +101,7 @@ INTERNALS: tuple[Internal, ...] = (
              "load the averaged gradients as hivemind does, after geotrain's checks"),
     Internal(_OPTIMIZER, "_tag_along_with_zero_weight", CALL, ("self", "control"),
              "join a scheduled round with nothing to contribute, as hivemind does before it waits"),
-    # --- PowerSGD (geotrain.hive.powersgd) ------------------------------------------------------------
+    # --- PowerSGD (geotrain.hive.averaging.powersgd) ------------------------------------------------------------
     Internal(_POWER_SGD, "_register_allreduce_group", OVERRIDE, ("self", "group_info"),
              "give each phase of a round a future that shows the guard this peer's factor parts"),
     Internal(_POWER_SGD, "_aggregate_with_group", OVERRIDE, ("self", "group_info", "min_vector_size", "kwargs"),
@@ -112,7 +112,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_POWER_SGD, "_qs", READ, None, "the factors, whose count and shapes a round's parts have"),
     Internal(_POWER_SGD, "_uncompressed_gradients_indexes", READ, None,
              "which gradients go uncompressed (the rest are in the feedback)"),
-    # --- the progress tracker and the DHT (geotrain.hive.diloco, leave, dht) ----------------------------
+    # --- the progress tracker and the DHT (geotrain.hive.optim.diloco, leave, dht) ----------------------------
     Internal("hivemind.optim.progress_tracker.ProgressTracker", "_parse_swarm_progress_data", OVERRIDE,
              ("self", "metadata"), "DiLoCo: read the swarm's progress in inner steps"),
     Internal("hivemind.optim.progress_tracker.ProgressTracker", "_local_public_key", READ, None,
@@ -121,13 +121,13 @@ INTERNALS: tuple[Internal, ...] = (
              "dial an initial peer to name a wrong peer id in its address"),
     # --- global patches (install_patches) ------------------------------------------------------------
     Internal("hivemind.compression.quantization.Quantization", "extract", PATCH, ("self", "serialized_tensor"),
-             "decode 8-bit parts under NumPy 2 (geotrain.hive.quantization)"),
+             "decode 8-bit parts under NumPy 2 (geotrain.hive.patches.quantization)"),
     Internal("hivemind.averaging.partition.TensorPartReducer", "reset_accumulators", PATCH, ("self",),
-             "a sender that vanishes mid-round must not cancel the part for all (geotrain.hive.part_reducer)"),
+             "a sender that vanishes mid-round must not cancel the part for all (geotrain.hive.patches.part_reducer)"),
     Internal("hivemind.averaging.partition.TensorPartReducer", "current_part_future", READ, None,
-             "replaced by a future that one cancelled sender cannot cancel (geotrain.hive.part_reducer)"),
+             "replaced by a future that one cancelled sender cannot cancel (geotrain.hive.patches.part_reducer)"),
     Internal("hivemind.averaging.averager", "switch_to_uvloop", PATCH, (),
-             "the averager's event loop keeps its running tasks (geotrain.hive.task_references)"),
+             "the averager's event loop keeps its running tasks (geotrain.hive.patches.task_references)"),
 )
 
 

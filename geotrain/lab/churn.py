@@ -17,7 +17,7 @@ does to its trainers what spot clouds do:
   state directory, host and fixed port: the trainers' initial peers stay valid, and it must resume from its
   newest checkpoint.
 
-How the soak ends: geotrain's end-of-run agreement (geotrain/hive/finalize.py) runs when trainers reach
+How the soak ends: geotrain's end-of-run agreement (geotrain/hive/state/finalize.py) runs when trainers reach
 ``--max-epochs``, and a running trainer cannot be given another limit. So a soak is epoch-bounded: its epochs
 are estimated from ``--duration`` (or given with ``--epochs``), churn happens during the first ``--duration``
 seconds after the swarm's first epoch and stops ``END_GUARD_EPOCHS`` before the last one, and the trainers

@@ -289,7 +289,7 @@ def powersgd_bytes_per_parameter(task: str, preset: Any, rank: int, parameters: 
     """Bytes on the wire per parameter of one PowerSGD round (both phases, fp16) for the model of ``task``/
     ``preset``, built from its config (no download), at ``rank``."""
     from geotrain.config import TaskConfig
-    from geotrain.hive.powersgd import values_on_the_wire
+    from geotrain.hive.averaging.powersgd import values_on_the_wire
     from geotrain.tasks import build_task
 
     try:

@@ -6,7 +6,7 @@ Names follow Prometheus conventions: counters end in ``_total``, durations in ``
 
 :class:`PeerMetrics` is what every peer exports about itself; :class:`SwarmMetrics` is what the
 coordinator exports about the whole swarm, aggregated from the trainers' signed records in the DHT
-(:mod:`geotrain.hive.metric_records`, :mod:`geotrain.telemetry.swarm_view`).
+(:mod:`geotrain.hive.dht.metric_records`, :mod:`geotrain.telemetry.swarm_view`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class MetricsPortError(UserError):
 
 # Averaging rounds take well under a second on a LAN and tens of seconds between continents.
 AVERAGING_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
-# alone: given up because no other trainer was left to average with (geotrain.hive.missed_round)
+# alone: given up because no other trainer was left to average with (geotrain.hive.averaging.missed_round)
 ROUND_RESULTS = ("ok", "failed", "timeout", "alone")
 
 
@@ -149,7 +149,7 @@ class PeerMetrics(_Metrics):
         self.outer_round_sent_bytes.set(sent_bytes)
 
     def watch_guard(self, report) -> None:
-        """Export the guard's refusals (:class:`geotrain.hive.guard.GuardReport`), counted in every process of
+        """Export the guard's refusals (:class:`geotrain.hive.guard.contributions.GuardReport`), counted in every process of
         this peer, as ``geotrain_guard_refusals_total{what,reason}``."""
         self.registry.register(_GuardCollector(report, self._labels))
         self.registry.register(_DownloadCollector(report.downloads, self._labels))
@@ -193,7 +193,7 @@ class _GuardCollector:
 
 
 class _DownloadCollector:
-    """State downloads of this peer (geotrain.hive.donors.DownloadProgress, written by its averagers)."""
+    """State downloads of this peer (geotrain.hive.state.donors.DownloadProgress, written by its averagers)."""
 
     def __init__(self, progress, labels: dict[str, str]):
         self.progress = progress

@@ -7,7 +7,7 @@ Each period (``metrics.publish_interval_s``) the reporter
    addresses in the other peers' records; ``unknown`` while that peer has published none),
 3. adds them to the peer's Prometheus counters (``geotrain_sent_bytes_total{destination_region}``,
    ``geotrain_received_bytes_total``), and
-4. stores the peer's signed record (:mod:`geotrain.hive.metric_records`) with its progress and traffic,
+4. stores the peer's signed record (:mod:`geotrain.hive.dht.metric_records`) with its progress and traffic,
    and what its VM is (cloud, region, instance type, and ``metrics.purchase``: spot for a trainer and
    on-demand for the coordinator unless set), from which the coordinator prices it.
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from hivemind.utils import get_dht_time
 
 from geotrain.config import MetricsConfig
-from geotrain.hive.dht import visible_addresses
-from geotrain.hive.metric_records import MetricRecord, finite, publish, read_records, record_ttl_s, store_record
+from geotrain.hive.dht.node import visible_addresses
+from geotrain.hive.dht.metric_records import MetricRecord, finite, publish, read_records, record_ttl_s, store_record
 from geotrain.telemetry.traffic import TrafficMeter
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
     geotrain status --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --run-id imagenet
 
 joins the swarm as a client (it opens no port and stores nothing), reads every peer's signed metric
-record (:mod:`geotrain.hive.metric_records`) and redraws a table in place every few seconds:
+record (:mod:`geotrain.hive.dht.metric_records`) and redraws a table in place every few seconds:
 
     swarm imagenet: epoch 42, 3 trainers, 1234.5 samples/s, granularity 3.10, $2.41/h, ETA 1h02m
     PEER          ROLE         REGION        CLOUD  INSTANCE     SAMPLES/S  EPOCH  SENT MB  LAST SEEN
@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from hivemind.utils import get_dht_time
 
 from geotrain.config import GeotrainConfig
-from geotrain.hive.dht import start_dht
-from geotrain.hive.metric_records import read_records
+from geotrain.hive.dht.node import start_dht
+from geotrain.hive.dht.metric_records import read_records
 from geotrain.telemetry.swarm_view import SwarmView
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"

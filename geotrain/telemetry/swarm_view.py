@@ -1,7 +1,7 @@
 """The swarm as a whole, from the peers' metric records: throughput, who is where, progress, cost.
 
 The coordinator (and ``geotrain status``) reads every peer's record from the DHT
-(:mod:`geotrain.hive.metric_records`) a few times a minute and folds them into one :class:`SwarmSnapshot`:
+(:mod:`geotrain.hive.dht.metric_records`) a few times a minute and folds them into one :class:`SwarmSnapshot`:
 
 - samples/s: the sum of the alive trainers' own samples/s over their last epoch;
 - peers by region and cloud, joins and departures since the last look;
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from geotrain.config import CostConfig, MetricsConfig
-from geotrain.hive.metric_records import MetricRecord
+from geotrain.hive.dht.metric_records import MetricRecord
 from geotrain.pricing.price_book import PriceBook, catalog_cloud
 
 BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB

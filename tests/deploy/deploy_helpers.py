@@ -58,7 +58,7 @@ class GeotrainCommandLine:
         with mock.patch("geotrain.trainer.Trainer", Trainer), \
                 mock.patch("geotrain.coordinator.Coordinator", Coordinator), \
                 mock.patch("geotrain.cli.Stopper", Stopper), \
-                mock.patch("geotrain.hive.identity.check_identity_file", lambda *_: None):  # the VM's key file
+                mock.patch("geotrain.hive.dht.identity.check_identity_file", lambda *_: None):  # the VM's key file
             cli.HANDLERS[self.args.command](self.args)
         self.config = started["config"]
         self.state_dir = started.get("state_dir")

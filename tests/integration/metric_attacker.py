@@ -38,8 +38,8 @@ def main(run_id: str, victim_peer_id: str, initial_peers: list[str]) -> None:
     import hivemind
     from hivemind.utils import get_dht_time
 
-    from geotrain.hive.metric_records import local_public_key, metrics_key
-    from geotrain.hive.dht import record_validators
+    from geotrain.hive.dht.metric_records import local_public_key, metrics_key
+    from geotrain.hive.dht.node import record_validators
 
     key = metrics_key(run_id)
     dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True,
@@ -151,7 +151,7 @@ def flood(run_id: str, fresh_subkeys: int, rewrites: int, initial_peers: list[st
     from hivemind.dht.schema import SchemaValidator
     from hivemind.utils import get_dht_time
 
-    from geotrain.hive.metric_records import MetricsSchema, local_public_key, metrics_key
+    from geotrain.hive.dht.metric_records import MetricsSchema, local_public_key, metrics_key
 
     key, own_key = metrics_key(run_id), local_public_key()
     # an attacker's own node needs no limits; it validates what it reads like any node

@@ -12,7 +12,7 @@ from geotrain.checkpoint import CheckpointStore
 from geotrain.config import TaskConfig, validate_config
 from geotrain.events import read_events
 from geotrain.tasks import build_task
-from geotrain.hive.state import parameters_sha256
+from geotrain.hive.state.snapshot import parameters_sha256
 from geotrain.schedule import learning_rate_at
 from swarm_helpers import FAST_SWARM, last_epoch, spawn, wait_for
 

@@ -146,12 +146,12 @@ def test_forged_overwritten_and_malformed_records_are_refused(two_region_swarm):
 def test_a_flood_of_metric_records_grows_no_memory_and_the_trainers_records_still_arrive(two_region_swarm):
     """A peer floods the metric key with an oversized record, rapid rewrites of one subkey and hundreds of
     subkeys of its own: every node keeps what fits in one DHT response, and the view still follows both
-    trainers. (Needs RecordLimits in geotrain.hive.dht.record_validators.)"""
-    from geotrain.hive.dht import record_validators
-    from geotrain.hive.record_limits import Limits, RecordLimits
+    trainers. (Needs RecordLimits in geotrain.hive.dht.node.record_validators.)"""
+    from geotrain.hive.dht.node import record_validators
+    from geotrain.hive.dht.record_limits import Limits, RecordLimits
 
     assert any(isinstance(validator, RecordLimits) for validator in record_validators(RUN_ID)), \
-        "RecordLimits(run_id) is not among geotrain.hive.dht.record_validators(run_id)"
+        "RecordLimits(run_id) is not among geotrain.hive.dht.node.record_validators(run_id)"
     swarm, ports, directory = two_region_swarm
     limits, fresh, rewrites = Limits(), 350, 500  # both beyond what the limits let in
 

@@ -3,9 +3,9 @@
 Region ``west`` holds the coordinator and one trainer, region ``east`` one trainer from the start and one
 that joins late, region ``south`` one trainer; the regions are 60-100 ms apart at 10-20 Mbit/s. hivemind alone would have the late joiner
 download from the coordinator (it announces the highest priority) across the link; geotrain's donor
-choice (geotrain/hive/donors.py) takes it from the trainer in its own region. At the end of the run the
+choice (geotrain/hive/state/donors.py) takes it from the trainer in its own region. At the end of the run the
 trainers agree on one final state, which crosses the link into a region at most once (a tree, not a star:
-geotrain/hive/finalize.py). Every peer is started with the geotrain CLI through `geotrain lab run`.
+geotrain/hive/state/finalize.py). Every peer is started with the geotrain CLI through `geotrain lab run`.
 """
 
 from __future__ import annotations

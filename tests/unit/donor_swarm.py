@@ -1,5 +1,5 @@
-"""Real hivemind averagers that offer and download states, on loopback (tests of geotrain.hive.donors and
-geotrain.hive.stripes)."""
+"""Real hivemind averagers that offer and download states, on loopback (tests of geotrain.hive.state.donors and
+geotrain.hive.state.stripes)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 
 from geotrain.config import GuardConfig
-from geotrain.hive.guard import GuardedAveragerMixin, GuardReport
+from geotrain.hive.guard.contributions import GuardedAveragerMixin, GuardReport
 
 CHUNK = 2**16
 

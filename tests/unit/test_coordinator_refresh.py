@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from geotrain.config import load_config
 from geotrain.coordinator import refresh_due, trainer_in_region
-from geotrain.hive.metric_records import MetricRecord, PeerRecord
+from geotrain.hive.dht.metric_records import MetricRecord, PeerRecord
 
 
 def _record(peer_id: str, role: str, region: str) -> PeerRecord:

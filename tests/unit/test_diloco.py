@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from geotrain.config import ConfigError, load_config
-from geotrain.hive.diloco import (FINGERPRINT_VALUES, MAX_PSEUDO_GRADIENT_TO_PARAMETERS, majority_donor,
+from geotrain.hive.optim.diloco import (FINGERPRINT_VALUES, MAX_PSEUDO_GRADIENT_TO_PARAMETERS, majority_donor,
                                   same_outer_parameters)
-from geotrain.hive.guard import GuardReport
-from geotrain.hive.optimizer import build_hivemind_optimizer
-from geotrain.hive.state import capture_state, restore_state
+from geotrain.hive.guard.contributions import GuardReport
+from geotrain.hive.optim.optimizer import build_hivemind_optimizer
+from geotrain.hive.state.snapshot import capture_state, restore_state
 
 INNER_STEPS = 3
 BATCH_SIZE = 4

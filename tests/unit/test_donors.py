@@ -1,4 +1,4 @@
-"""Donor choice for state downloads (geotrain.hive.donors): the order, the probes, and the watch.
+"""Donor choice for state downloads (geotrain.hive.state.donors): the order, the probes, and the watch.
 
 The watch runs on real hivemind averagers in processes of their own (one DHT node on loopback): a donor
 that sends nothing, one that trickles, and one whose state is not finite, are dropped for the next, and the state
@@ -20,10 +20,10 @@ from hivemind.proto import averaging_pb2
 
 from geotrain.config import load_config
 from geotrain.events import read_events
-from geotrain.hive.donors import Donor, donor_labels, probe_rtt_s, rank_donors
-from geotrain.hive.guard import hivemind_handle_name
-from geotrain.hive.leave import stop_offering_state
-from geotrain.hive.metric_records import MetricRecord, PeerRecord
+from geotrain.hive.state.donors import Donor, donor_labels, probe_rtt_s, rank_donors
+from geotrain.hive.guard.contributions import hivemind_handle_name
+from geotrain.hive.optim.leave import stop_offering_state
+from geotrain.hive.dht.metric_records import MetricRecord, PeerRecord
 from donor_swarm import CHUNK, GoodDonor, Swarm
 from waiting import wait_until
 

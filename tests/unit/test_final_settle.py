@@ -1,9 +1,9 @@
-"""Who the end-of-run agreement waits for (geotrain.hive.finalize): before it picks the finalizer
+"""Who the end-of-run agreement waits for (geotrain.hive.state.finalize): before it picks the finalizer
 (not_heard_from, still_in_the_last_round), and while the finalizer serves its state (followers_wanted)."""
 
 from __future__ import annotations
 
-from geotrain.hive.finalize import followers_wanted, not_heard_from, still_in_the_last_round
+from geotrain.hive.state.finalize import followers_wanted, not_heard_from, still_in_the_last_round
 
 LAST_EPOCH = 10
 

@@ -14,12 +14,12 @@ from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 
 from geotrain.config import ConfigError, GuardConfig, SwarmConfig, load_config
-from geotrain.hive.admission import (MAX_CLOCK_SKEW_S, AdmissionConfigError, Admission, SwarmTokenAuthorizer,
+from geotrain.hive.dht.admission import (MAX_CLOCK_SKEW_S, AdmissionConfigError, Admission, SwarmTokenAuthorizer,
                                      load_allowed_peer_ids, load_swarm_token)
-from geotrain.hive.guard import COUNTED, GuardReport, contribution_refusal
-from geotrain.hive.identity import IdentityError, peer_id_of
-from geotrain.hive.optimizer import with_step_guard
-from geotrain.hive.step_guard import StepGuard
+from geotrain.hive.guard.contributions import COUNTED, GuardReport, contribution_refusal
+from geotrain.hive.dht.identity import IdentityError, peer_id_of
+from geotrain.hive.optim.optimizer import with_step_guard
+from geotrain.hive.guard.step import StepGuard
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 PEER_A = "QmRP5NLCmcd7p1XiyEeK5fH9Qf49jek37bWqo7rG6B7p12"
@@ -78,7 +78,7 @@ def test_answers_must_carry_the_token_and_the_request_nonce():
 
 
 def test_the_replay_memory_is_bounded(monkeypatch):
-    monkeypatch.setattr("geotrain.hive.admission.MAX_REMEMBERED_NONCES", 100)
+    monkeypatch.setattr("geotrain.hive.dht.admission.MAX_REMEMBERED_NONCES", 100)
     authorizer = SwarmTokenAuthorizer(TOKEN)
     for _ in range(1000):
         assert run(authorizer.validate_request(signed_ping(authorizer)))
@@ -288,7 +288,7 @@ class _Caller:
 
 
 def test_a_donor_serves_at_most_its_limit_of_downloads_at_once():
-    from geotrain.hive.guard import GuardedAveragerMixin
+    from geotrain.hive.guard.contributions import GuardedAveragerMixin
 
     class Donor(GuardedAveragerMixin, _SlowDonor):
         guard_config = GuardConfig(max_concurrent_downloads=2)

@@ -24,7 +24,7 @@ HIVEMIND = Path(importlib.util.find_spec("hivemind").origin).parent
 GEOTRAIN_OWN = {
     "_lock": "the threading locks of geotrain.fork_server.ForkServer and geotrain.lifecycle.Stopper",
     "_run": "methods of geotrain's lab command, local swarm and preemption watcher",
-    "_store": "geotrain.hive.finalize's helper that stores a finalization record",
+    "_store": "geotrain.hive.state.finalize's helper that stores a finalization record",
 }
 
 

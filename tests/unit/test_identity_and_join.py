@@ -15,7 +15,7 @@ import pytest
 
 from geotrain.config import SwarmConfig
 from geotrain.errors import EXIT_BAD_INPUT, EXIT_OK, SwarmUnreachableError
-from geotrain.hive.identity import IdentityError, check_identity_file, peer_id_of
+from geotrain.hive.dht.identity import IdentityError, check_identity_file, peer_id_of
 
 GHOST_PEER_ID = "12D3KooWSR5Er8swms7XFXsxgUdTRxRYw2FSt6wucGdQTSSFf3cx"  # a valid id nobody here has
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def test_geotrain_identity_gives_the_same_reason(tmp_path, geotrain_main, kind):
 
 
 def test_a_missing_identity_file_is_still_made_when_the_dht_starts(tmp_path):
-    from geotrain.hive.dht import start_dht
+    from geotrain.hive.dht.node import start_dht
 
     key = tmp_path / "new" / "dir" / "peer.key"
     check_identity_file(key)  # not an error: its directory is made, hivemind writes the key
@@ -135,7 +135,7 @@ def test_a_missing_identity_file_is_still_made_when_the_dht_starts(tmp_path):
 
 def test_a_wrong_peer_id_in_initial_peers_is_named(tmp_path):
     import hivemind
-    from geotrain.hive.dht import other_peer_ids, start_dht
+    from geotrain.hive.dht.node import other_peer_ids, start_dht
 
     coordinator = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:

@@ -1,11 +1,11 @@
-"""A sync-mode trainer that missed the swarm's gradient round loads the swarm's state (geotrain.hive.optimizer).
+"""A sync-mode trainer that missed the swarm's gradient round loads the swarm's state (geotrain.hive.optim.optimizer).
 
 Two real trainers' optimizers (geotrain's build, sync mode, loopback) on a DHT of two nodes; the donor
 moved on to epoch 1 (its state and its progress record say so). hivemind alone tolerates one epoch behind:
 a peer there begins a round at once, which joins the swarm's next round, ends it one epoch behind again,
 and stays so; a peer still looking for a group the swarm no longer forms waits the whole averaging timeout
 (both seen in tests/lab/test_lab_state_transfer.py). geotrain loads the state instead, and gives such a
-round up (geotrain.hive.missed_round). (Both trainers live in one process, so they share hivemind's
+round up (geotrain.hive.averaging.missed_round). (Both trainers live in one process, so they share hivemind's
 progress-record key: the tests set each situation up rather than train into it.)
 """
 
@@ -29,9 +29,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from geotrain.config import load_config
-from geotrain.hive.keys import progress_key, read_progress, swarm_epoch_and_trainers
-from geotrain.hive.leave import withdraw_from_rounds
-from geotrain.hive.missed_round import READ_TIMEOUT_S, dht_is_running, reason_to_give_up, watch_round
+from geotrain.hive.dht.keys import progress_key, read_progress, swarm_epoch_and_trainers
+from geotrain.hive.optim.leave import withdraw_from_rounds
+from geotrain.hive.averaging.missed_round import READ_TIMEOUT_S, dht_is_running, reason_to_give_up, watch_round
 from optimizer_pair import optimizer_pair
 from waiting import wait_until
 
@@ -204,7 +204,7 @@ def test_a_state_round_the_swarm_has_stepped_past_is_given_up_and_the_next_step_
     (_, donor), (model, optimizer) = trainers
     state_averager = optimizer.state_averager
     backward(model)
-    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optim.optimizer"):
         # what hivemind's Optimizer._update_global_epoch asks of the state averager: a round in the background
         state_averager.step(increment_epoch=True, optimizer_step=True, averaging_round=True, delay_averaging=True,
                             averaging_opts=dict(timeout=120))
@@ -314,7 +314,7 @@ def test_a_load_while_the_swarm_is_far_from_its_step_downloads_at_once(trainers,
 
 
 def loads_at_once(optimizer, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optim.optimizer"):
         optimizer.load_state_from_peers()
     assert "once it has stepped" not in caplog.text, "the load waited for the swarm's step"
     assert optimizer.local_epoch == 0
@@ -338,7 +338,7 @@ class OtherTrainer:
                               expiration_time=get_dht_time() + 60)
 
     def says_goodbye(self) -> None:
-        """The empty record a leaving trainer stores (geotrain.hive.leave)."""
+        """The empty record a leaving trainer stores (geotrain.hive.optim.leave)."""
         assert self.dht.store(progress_key(RUN_ID), subkey=self.subkey, value=None, expiration_time=get_dht_time() + 61)
 
     def shutdown(self) -> None:
@@ -401,7 +401,7 @@ def test_a_load_that_ends_during_the_swarms_round_waits_for_its_step_then_catche
         return result
 
     optimizer.state_averager.load_state_from_peers = download_then_the_swarms_round
-    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optim.optimizer"):
         optimizer.load_state_from_peers()
     stepped.join()
     assert "waiting for its step" in caplog.text
@@ -422,7 +422,7 @@ def test_a_load_next_to_a_single_other_trainer_does_not_wait_for_a_step_that_nee
         return result
 
     optimizer.state_averager.load_state_from_peers = download_then_the_others_batch
-    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optim.optimizer"):
         optimizer.load_state_from_peers()
     assert "waiting for its step" not in caplog.text and optimizer.local_epoch == 0
 
@@ -445,7 +445,7 @@ def test_a_round_of_the_last_trainer_left_is_given_up_at_once_and_it_steps_with_
     expected = [p.grad.clone() for p in model.parameters()]
     optimizer.grad_averager.accumulate_grads_(batch_size=32)
     averaging = threading.Thread(target=optimizer._average_gradients_and_load_into_optimizer, args=(control,))
-    with caplog.at_level(logging.INFO, logger="geotrain.hive.optimizer"):
+    with caplog.at_level(logging.INFO, logger="geotrain.hive.optim.optimizer"):
         averaging.start()
         time.sleep(2 * optimizer.missed_round_check_s)
         assert averaging.is_alive(), "given up while another trainer was in the swarm"

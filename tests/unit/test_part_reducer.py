@@ -1,4 +1,4 @@
-"""A group member that vanishes mid-round does not stall the round (geotrain.hive.part_reducer).
+"""A group member that vanishes mid-round does not stall the round (geotrain.hive.patches.part_reducer).
 
 hivemind's own TensorPartReducer, as its all-reduce drives it: each sender's handler awaits the part it
 contributed to; p2p cancels the handler of a sender whose stream broke (a killed VM). Before the fix, that
@@ -14,7 +14,7 @@ import pytest
 import torch
 from hivemind.averaging.partition import TensorPartReducer
 
-from geotrain.hive.part_reducer import install
+from geotrain.hive.patches.part_reducer import install
 
 
 @pytest.fixture(autouse=True)

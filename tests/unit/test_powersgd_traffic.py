@@ -1,4 +1,4 @@
-"""What one PowerSGD round sends (geotrain.hive.powersgd): the count the planner and the trainer's log use, against
+"""What one PowerSGD round sends (geotrain.hive.averaging.powersgd): the count the planner and the trainer's log use, against
 hivemind's own choice of the tensors it sends as they are."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import hivemind
 import torch
 
-from geotrain.hive.powersgd import PowerSGDKeepingAverager, values_on_the_wire
+from geotrain.hive.averaging.powersgd import PowerSGDKeepingAverager, values_on_the_wire
 
 # a conv kernel (64 x 3*7*7), a bias, a linear layer, and a matrix that rank 4 would not shrink twofold
 SHAPES = [(64, 3, 7, 7), (64,), (1000, 512), (8, 8)]

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from geotrain.config import ConfigError, CostConfig, EgressPrice, MetricsConfig, load_config
-from geotrain.hive.metric_records import MetricRecord
+from geotrain.hive.dht.metric_records import MetricRecord
 from geotrain.planner.model import Settings, bytes_per_pair, evaluate
 from geotrain.planner.network import load_network
 from geotrain.planner.profiles import load_profile

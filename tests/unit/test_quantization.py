@@ -1,4 +1,4 @@
-"""8-bit parts decode under NumPy 2 once geotrain's decoder is installed (geotrain.hive.quantization).
+"""8-bit parts decode under NumPy 2 once geotrain's decoder is installed (geotrain.hive.patches.quantization).
 
 hivemind's own decoder raises TypeError there, in the receiving peer's handler, so uniform8bit rounds averaged
 nothing while they looked done; tests/integration/test_compression.py checks the swarm side.
@@ -11,7 +11,7 @@ import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from geotrain.hive.quantization import install
+from geotrain.hive.patches.quantization import install
 
 
 @pytest.mark.parametrize("compression", [runtime_pb2.UNIFORM_8BIT, runtime_pb2.QUANTILE_8BIT])

@@ -17,10 +17,10 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from geotrain.hive import record_limits
-from geotrain.hive.keys import metrics_key, progress_key, trainers_key
-from geotrain.hive.metric_records import MetricsSchema
-from geotrain.hive.record_limits import Limits, RecordLimits
+from geotrain.hive.dht import record_limits
+from geotrain.hive.dht.keys import metrics_key, progress_key, trainers_key
+from geotrain.hive.dht.metric_records import MetricsSchema
+from geotrain.hive.dht.record_limits import Limits, RecordLimits
 
 RUN_ID = "limits-test"
 NOW = 1_000_000.0  # the validator's clocks in these tests (see the clock fixture)

@@ -1,4 +1,4 @@
-"""State downloads in stripes from several donors at once (geotrain.hive.stripes).
+"""State downloads in stripes from several donors at once (geotrain.hive.state.stripes).
 
 The plan and the donor rule on their own; the download on real hivemind averagers in processes of their own
 (one DHT node each, on loopback): donors that hold different values show which stripe came from whom.
@@ -18,9 +18,9 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from geotrain.events import read_events
-from geotrain.hive.donors import Donor
-from geotrain.hive.guard import GuardReport, hivemind_handle_name
-from geotrain.hive.stripes import PART_KEY, PartRequest, PartRequestError, plan_stripes, stripe_donors
+from geotrain.hive.state.donors import Donor
+from geotrain.hive.guard.contributions import GuardReport, hivemind_handle_name
+from geotrain.hive.state.stripes import PART_KEY, PartRequest, PartRequestError, plan_stripes, stripe_donors
 from donor_swarm import CHUNK, Downloader, GoodDonor, Swarm
 
 TENSORS = 6

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from geotrain.config import ConfigError, CostConfig, EgressPrice, load_config
-from geotrain.hive.metric_records import MetricRecord
+from geotrain.hive.dht.metric_records import MetricRecord
 from geotrain.telemetry.swarm_view import SwarmView
 
 GB = 10**9
@@ -182,7 +182,7 @@ class _DHTHolding:
 
 
 def test_one_signing_key_is_one_row_however_many_subkeys_it_signs():
-    from geotrain.hive.metric_records import read_records
+    from geotrain.hive.dht.metric_records import read_records
 
     honest = record("a").dict()
     owner = b"[owner:ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQC1]"

@@ -1,4 +1,4 @@
-"""The averager's event loop keeps its running tasks (geotrain.hive.task_references).
+"""The averager's event loop keeps its running tasks (geotrain.hive.patches.task_references).
 
 hivemind's averager starts each request as a task it keeps no reference to, and a task waiting on futures that
 only it refers to is garbage: here, a collection destroys such a task in hivemind's own loop and not in the
@@ -13,7 +13,7 @@ import threading
 
 import hivemind.averaging.averager as averager_module
 
-from geotrain.hive import task_references
+from geotrain.hive.patches import task_references
 
 
 def tasks_left_after_a_collection(make_loop) -> int:

@@ -13,7 +13,7 @@ import pytest
 
 from geotrain import cli
 from geotrain.config import SwarmConfig, load_config
-from geotrain.hive.admission_files import AdmissionConfigError, load_swarm_token
+from geotrain.hive.dht.admission_files import AdmissionConfigError, load_swarm_token
 
 PEER_ID = "QmRP5NLCmcd7p1XiyEeK5fH9Qf49jek37bWqo7rG6B7p12"  # a libp2p peer id (as in test_guard.py)
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 from pydantic.v1 import ValidationError
 
-from geotrain.hive.metric_records import MetricRecord
+from geotrain.hive.dht.metric_records import MetricRecord
 from geotrain.telemetry.reporter import listen_addresses
 from geotrain.telemetry.traffic import TrafficMeter, parse_ss
 

@@ -17,7 +17,7 @@ asks up to ``max_donors`` donors that hold the same epoch, in as many regions, f
    another epoch or is refused is dropped, and its stripe goes back to the others. When no donor is left for a
    stripe, the download returns None and the caller downloads the whole state from one donor.
 
-A donor serves stripes with ``rpc_download_state_part`` (geotrain.hive.guard): the request is a
+A donor serves stripes with ``rpc_download_state_part`` (geotrain.hive.guard.contributions): the request is a
 ``DownloadData`` whose metadata names the download and the tensors wanted (:class:`PartRequest`). All stripes of
 one download come from one snapshot of that donor's state (:class:`StateSnapshots`), as a whole download from
 one donor does, so a donor that steps during the download still sends the epoch it began with.
@@ -37,7 +37,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from geotrain.hive.donors import LOG_EVERY_S, STATE_BYTES_KEY, Attempt, Donor, DownloadProgress, _eta, _megabytes
+from geotrain.hive.state.donors import LOG_EVERY_S, STATE_BYTES_KEY, Attempt, Donor, DownloadProgress, _eta, _megabytes
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def plan_stripes(tensor_bytes: list[int], count: int) -> list[tuple[int, int]]:
 
 
 def stripe_donors(donors: list[Donor], own_region: str | None, max_donors: int) -> list[Donor]:
-    """The donors to stripe over, given donors in the order to ask them (geotrain.hive.donors.rank_donors):
+    """The donors to stripe over, given donors in the order to ask them (geotrain.hive.state.donors.rank_donors):
     donors of one epoch, one per region (donors in one region share its link to this peer; a donor of unknown
     region counts as a region of its own), at most ``max_donors``, in their order. The epoch is the one, of the
     first donor's or a newer one, that the most regions hold (the newest of a tie): right after the swarm's
@@ -161,7 +161,7 @@ def stripe_donors(donors: list[Donor], own_region: str | None, max_donors: int) 
 class StripeFailed(Exception):
     def __init__(self, result: str, detail: str = ""):
         super().__init__(f"{result}{': ' + detail if detail else ''}")
-        self.result = result  # one of geotrain.hive.donors.RESULTS
+        self.result = result  # one of geotrain.hive.state.donors.RESULTS
 
 
 async def fetch_part(averager, donor: Donor, part: PartRequest, *, stall_s: float, on_bytes=None):

@@ -32,7 +32,7 @@ How geotrain runs it on hivemind:
   members whose fingerprint is not the group's majority's load the outer state of a majority member
   (the smallest peer id; ties go to the fingerprint of the smallest peer id) before their next micro-step,
   so every trainer steps from the same outer parameters again.
-- Each received part is checked (:mod:`geotrain.hive.guard`) for non-finite values, a weight other than
+- Each received part is checked (:mod:`geotrain.hive.guard.contributions`) for non-finite values, a weight other than
   the 1 every member sends, and a norm over 100 x ``guard.contribution_norm_factor`` times this peer's own
   (checked only when this peer did a quarter of ``inner_steps`` in the round: pseudo-gradients grow with
   a peer's inner steps and differ far more than gradients do). An average that is not finite, or whose norm is over
@@ -61,8 +61,8 @@ from hivemind.utils import get_dht_time
 from hivemind.optim.state_averager import (TrainingStateAverager, dump_optimizer_state, initialize_optimizer_state_,
                                            load_optimizer_state)
 
-from geotrain.hive.rounds import averaging_round_result
-from geotrain.hive.step_guard import all_finite, total_norm
+from geotrain.hive.averaging.rounds import averaging_round_result
+from geotrain.hive.guard.step import all_finite, total_norm
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class OuterStateAverager(TrainingStateAverager):
     resyncing: bool = False  # set by the optimizer while it loads the state of its round's majority
     refused_state: str | None = None  # why the last downloaded state was refused
     refused_state_behind: bool = False  # ... because it was of an older epoch: late, which an honest peer can be
-    guard_report = None  # set by geotrain.hive.optimizer.guarded
+    guard_report = None  # set by geotrain.hive.optim.optimizer.guarded
     min_inner_steps_for_norm_check: float = 1.0  # set by build (a class attribute): a quarter of inner_steps
     overlap_rounds: bool = False  # set by build (a class attribute): optimizer.diloco.overlap_rounds
     _round_prepared: bool = False  # the round's pseudo-gradient is in the averaging buffers (prepare_round)
@@ -149,7 +149,7 @@ class OuterStateAverager(TrainingStateAverager):
             self.step_executor = ThreadPoolExecutor(max_workers=2)
 
     def contribution_norm_applies(self) -> bool:
-        """Whether the guard (geotrain.hive.guard) compares received parts with this peer's own pseudo-gradient:
+        """Whether the guard (geotrain.hive.guard.contributions) compares received parts with this peer's own pseudo-gradient:
         pseudo-gradients grow with a peer's inner steps, so a peer with few steps this round (it just joined or
         re-synced) has no fair scale to compare with."""
         return self.own_inner_steps.value >= self.min_inner_steps_for_norm_check

@@ -23,13 +23,13 @@ from hivemind.utils.multiaddr import Multiaddr
 from geotrain.config import SwarmConfig
 from geotrain.errors import StopRequested, SwarmUnreachableError, UserError
 from geotrain.hive.hivemind_contract import check_hivemind_version
-from geotrain.hive.identity import check_identity_file
+from geotrain.hive.dht.identity import check_identity_file
 from geotrain.ports import ensure_port_free
 from geotrain.processes import start_shared_memory_manager
-from geotrain.hive.admission import (Admission, MembershipAnnouncer, SwarmTokenAuthorizer, load_allowed_peer_ids,
+from geotrain.hive.dht.admission import (Admission, MembershipAnnouncer, SwarmTokenAuthorizer, load_allowed_peer_ids,
                                      load_swarm_token)
-from geotrain.hive.metric_records import MetricsSchema
-from geotrain.hive.record_limits import RecordLimits
+from geotrain.hive.dht.metric_records import MetricsSchema
+from geotrain.hive.dht.record_limits import RecordLimits
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ A refused sender is dropped from the round by hivemind's own mechanism (an excep
 read: hivemind bans it and averages the others), named in the events (``contribution_refused``) and the
 log, and left out of this peer's groups for ``guard.ban_s``: its join requests are refused, and this peer
 does not join a group it leads. Callers that the private swarm does not admit
-(:mod:`geotrain.hive.admission`) are refused the same way (``request_refused``), as are state downloads
+(:mod:`geotrain.hive.dht.admission`) are refused the same way (``request_refused``), as are state downloads
 beyond ``guard.max_concurrent_downloads``.
 
 Cost: every received part is decompressed once more for the check (one pass over the bytes this peer
@@ -38,10 +38,10 @@ from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
-from geotrain.hive.donors import (PROBATION_S, PROBE_TIMEOUT_S, STATE_BYTES_KEY, DownloadProgress, OwnEpoch,
+from geotrain.hive.state.donors import (PROBATION_S, PROBE_TIMEOUT_S, STATE_BYTES_KEY, DownloadProgress, OwnEpoch,
                                   donor_labels, download_state, measure_donors, rank_donors)
-from geotrain.hive.metric_records import read_records
-from geotrain.hive.stripes import PartRequest, PartRequestError, StateSnapshots, download_striped, part_messages, \
+from geotrain.hive.dht.metric_records import read_records
+from geotrain.hive.state.stripes import PartRequest, PartRequestError, StateSnapshots, download_striped, part_messages, \
     stripe_donors
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class GuardReport:
 
     def set_allowed_donors(self, peer_ids) -> None:
         """Restrict this peer's state downloads to ``peer_ids`` (None or empty: any donor that is not banned);
-        the nearest of them is asked first (geotrain.hive.donors)."""
+        the nearest of them is asked first (geotrain.hive.state.donors)."""
         names = sorted(peer_ids or ())[:self.ALLOWED_DONORS]
         self._allowed_donors.value = " ".join(names).encode()
 
@@ -218,7 +218,7 @@ class GuardedAveragerMixin:
     """Checks for a hivemind DecentralizedAverager subclass (put first in the bases).
 
     Set before the averager starts (its process forks with them): ``guard_admission``
-    (:class:`~geotrain.hive.admission.Admission`), ``guard_report`` (:class:`GuardReport`),
+    (:class:`~geotrain.hive.dht.admission.Admission`), ``guard_report`` (:class:`GuardReport`),
     ``guard_config`` (:class:`~geotrain.config.GuardConfig`) and ``guard_max_weight``.
     """
 
@@ -226,7 +226,7 @@ class GuardedAveragerMixin:
     guard_report: GuardReport | None = None
     guard_config = None
     guard_max_weight = float("inf")
-    # where state downloads come from (geotrain.hive.donors): this peer's region and run (for the donors'
+    # where state downloads come from (geotrain.hive.state.donors): this peer's region and run (for the donors'
     # records), the rate below which a donor is dropped, how long one may send nothing, and how many epochs
     # a donor may be behind the newest and still count as current
     donor_region: str | None = None
@@ -236,7 +236,7 @@ class GuardedAveragerMixin:
     donor_probation_s = PROBATION_S
     donor_epoch_tolerance = 1
     # a state of at least donor_stripe_min_bytes whose nearest current donor is in another region comes in
-    # stripes from up to donor_max_stripes donors of that epoch at once (geotrain.hive.stripes)
+    # stripes from up to donor_max_stripes donors of that epoch at once (geotrain.hive.state.stripes)
     donor_max_stripes = 3
     donor_stripe_min_bytes = 8_000_000
 
@@ -292,7 +292,7 @@ class GuardedAveragerMixin:
 
     async def rpc_download_state_part(self, request: averaging_pb2.DownloadData,
                                       context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """Some of the state's tensors, for a download in stripes from several donors (geotrain.hive.stripes):
+        """Some of the state's tensors, for a download in stripes from several donors (geotrain.hive.state.stripes):
         the request's metadata names the download and the tensors; every part of one download comes from one
         snapshot of the state. Checked as a whole download is."""
         if not self.allow_state_sharing or not await self._guard_download_admitted(context.remote_id):
@@ -360,7 +360,7 @@ class GuardedAveragerMixin:
                 own = own_parts[part_index] if own_parts is not None and part_index < len(own_parts) else None
                 part = deserialize_torch_tensor(message.tensor_part)
                 # an averager may widen the norm check, or skip it for a round (DiLoCo's pseudo-gradients grow
-                # with each peer's inner steps: geotrain.hive.diloco)
+                # with each peer's inner steps: geotrain.hive.optim.diloco)
                 norm_factor = self.guard_config.contribution_norm_factor * getattr(self, "contribution_norm_slack", 1)
                 norm_applies = getattr(self, "contribution_norm_applies", None)
                 if norm_applies is not None and not norm_applies():
@@ -393,7 +393,7 @@ class GuardedAveragerMixin:
 
     def load_state_from_peers(self, *args, **kwargs):
         """hivemind's download, waited for as long as the state's bytes take at the expected rate (the
-        averager's process drops stalled and slow donors: geotrain.hive.donors), not a fixed timeout."""
+        averager's process drops stalled and slow donors: geotrain.hive.state.donors), not a fixed timeout."""
         if kwargs.get("timeout") is not None:
             kwargs["timeout"] = max(kwargs["timeout"], self.state_download_bound_s())
         return super().load_state_from_peers(*args, **kwargs)

@@ -1,6 +1,6 @@
 """Size and rate limits on this run's DHT records, so that a flood grows no memory on any peer.
 
-The signature and schema validators (:mod:`geotrain.hive.metric_records`) make sure nobody writes
+The signature and schema validators (:mod:`geotrain.hive.dht.metric_records`) make sure nobody writes
 another peer's record or a malformed one, but a peer may still write as many well-formed records of
 its own as it likes: huge values, one subkey rewritten thousands of times a second, or thousands of
 subkeys (one signing key can sign any subkey that contains it, and fresh keys cost milliseconds).
@@ -44,7 +44,7 @@ applies to reads too.
 Refusals are logged at most once a minute for each key, with the key, the counts and the reasons.
 
 Use: ``hivemind.DHT(record_validators=[..., RecordLimits(run_id)])``; every peer's DHT does so
-through :func:`geotrain.hive.dht.record_validators`.
+through :func:`geotrain.hive.dht.node.record_validators`.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
-from geotrain.hive.admission import members_key
-from geotrain.hive.keys import donors_key, final_key, metrics_key, progress_key, trainers_key
+from geotrain.hive.dht.admission import members_key
+from geotrain.hive.dht.keys import donors_key, final_key, metrics_key, progress_key, trainers_key
 
 logger = logging.getLogger(__name__)
 

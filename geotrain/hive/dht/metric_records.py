@@ -26,7 +26,7 @@ from hivemind.dht.schema import BytesWithPublicKey
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, confloat, conint, conlist, constr
 
-from geotrain.hive.keys import metrics_key, read_subkeys
+from geotrain.hive.dht.keys import metrics_key, read_subkeys
 
 MAX_COUNT = 2**62  # msgpack and strict ints: anything beyond is not a byte or sample count
 MAX_RATE = 1e12

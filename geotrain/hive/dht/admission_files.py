@@ -1,4 +1,4 @@
-"""The files of a private swarm: the swarm token and the allow-list (see :mod:`geotrain.hive.admission`).
+"""The files of a private swarm: the swarm token and the allow-list (see :mod:`geotrain.hive.dht.admission`).
 
 Kept apart from hivemind, so that the commands read and check both before anything starts
 (:func:`check_admission_files`, called where the config is loaded): a wrong file is exit code 2 at once,

@@ -6,7 +6,7 @@ Two cases, both read from the swarm's progress records while the round looks for
   timeout (180 s in the ``continent`` network profile, 600 s ``intercontinental``), or it joins the swarm's next
   round and ends it an epoch behind. Seen in the lab at the end of a run: a trainer one epoch behind waited the
   whole timeout in a round no one else was left to join. The optimizer then loads the swarm's state
-  (:meth:`geotrain.hive.optimizer.MeasuredOptimizer._should_load_state_from_peers`).
+  (:meth:`geotrain.hive.optim.optimizer.MeasuredOptimizer._should_load_state_from_peers`).
 - **Alone**: this peer's own record is there and no other trainer's is (the others left, said goodbye or
   expired). hivemind starts a round when its tracker counted others at the step, but its view is paused during
   a round and seconds old before it. Seen in tests/integration/test_preemption.py: the last two trainers, one
@@ -23,14 +23,14 @@ from typing import Callable
 
 from hivemind.averaging.control import AveragingStage
 
-from geotrain.hive.keys import read_progress
+from geotrain.hive.dht.keys import read_progress
 
 logger = logging.getLogger(__name__)
 
 MISSED = "missed"
 ALONE = "alone"
 READ_TIMEOUT_S = 30.0  # a look-up of the progress records that takes longer is no reason; look again
-LEAVING = "leaving"  # (state rounds: this peer's stop was requested; geotrain.hive.optimizer.RecordingStateAverager)
+LEAVING = "leaving"  # (state rounds: this peer's stop was requested; geotrain.hive.optim.optimizer.RecordingStateAverager)
 
 
 def reason_to_give_up(dht, run_id: str, own_peer_id: str, past_epoch: int) -> str | None:

@@ -4,8 +4,8 @@ Every swarm-wide fact lives under a key derived from the run id:
 
 - ``{run_id}_progress``: each trainer's training progress (hivemind's progress tracker; signed);
 - ``{run_id}_trainers``: trainers announce themselves here as soon as they join, before their first step;
-- ``{run_id}_metrics``: each peer's metric record (:mod:`geotrain.hive.metric_records`; signed);
-- ``{run_id}_final``: the end-of-run agreement (:mod:`geotrain.hive.finalize`);
+- ``{run_id}_metrics``: each peer's metric record (:mod:`geotrain.hive.dht.metric_records`; signed);
+- ``{run_id}_final``: the end-of-run agreement (:mod:`geotrain.hive.state.finalize`);
 - ``{run_id}_state_averager.all_averagers``: state donors and their priorities (hivemind's own).
 
 A dictionary record maps subkeys to values; :func:`read_subkeys` returns the live, non-empty ones.

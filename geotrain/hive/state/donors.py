@@ -3,7 +3,7 @@
 hivemind asks state donors in the order of the priority they announce (their epoch), wherever they are:
 a trainer that rejoins in Australia may pull the whole state from Europe over a thin link while another
 Australian trainer holds the same epoch. geotrain's averagers (:meth:`GuardedAveragerMixin._load_state_from_peers`
-in :mod:`geotrain.hive.guard`) download with :func:`download_state` instead:
+in :mod:`geotrain.hive.guard.contributions`) download with :func:`download_state` instead:
 
 1. **Order** (:func:`rank_donors`): donors that hold the newest epoch (within ``epoch_tolerance``: a peer
    that loaded a state one epoch old catches up with the swarm's epoch; never one at this peer's own epoch
@@ -47,7 +47,7 @@ LOG_EVERY_S = 10.0
 PROBE_TIMEOUT_S = 2.0
 PROBATION_S = 10.0
 RTT_RESOLUTION_S = 0.005
-STATE_BYTES_KEY = "geotrain_state_bytes"  # added to the metadata a donor sends (geotrain.hive.guard)
+STATE_BYTES_KEY = "geotrain_state_bytes"  # added to the metadata a donor sends (geotrain.hive.guard.contributions)
 RESULTS = ("ok", "stalled", "slow", "empty", "failed", "refused")
 
 
@@ -92,7 +92,7 @@ def rank_donors(donors: list[Donor], own_region: str | None, epoch_tolerance: in
 
 
 def donor_labels(records) -> dict[str, tuple[str, list[str]]]:
-    """peer id -> (region, addresses) from metric records (geotrain.hive.metric_records.read_records);
+    """peer id -> (region, addresses) from metric records (geotrain.hive.dht.metric_records.read_records);
     a peer id that records disagree on is left out."""
     labels: dict[str, tuple[str, list[str]]] = {}
     conflicting: set[str] = set()
@@ -210,7 +210,7 @@ class Attempt:
     received_bytes: int
     seconds: float
     state: tuple | None = None  # (metadata, tensors) when result is "ok"
-    stripes: dict[str, int] | None = None  # a striped download's bytes from each donor (geotrain.hive.stripes)
+    stripes: dict[str, int] | None = None  # a striped download's bytes from each donor (geotrain.hive.state.stripes)
     state_bytes: int | None = None  # the state's size, when it differs from the bytes received (stripes that two
     # donors sent at once count twice in received_bytes)
 

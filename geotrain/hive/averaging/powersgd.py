@@ -13,11 +13,11 @@ with r = ``optimizer.powersgd_rank``. M is this peer's gradient *plus an error-f
 rank-r approximation left out of earlier rounds, added back before compressing (a full-size fp32 buffer in
 host memory, one more gradient-sized copy). Vectors (biases, norms) and matrices that r (m + n) would not
 shrink at least twofold (``min_compression_ratio``) are sent as they are, in phase Q. Every part goes on the
-wire in fp16 (:func:`geotrain.hive.optimizer.build_compression`), and so do the state averaging rounds.
+wire in fp16 (:func:`geotrain.hive.optim.optimizer.build_compression`), and so do the state averaging rounds.
 
 :class:`PowerSGDKeepingAverager` is that averager with what geotrain's gradient averager adds
-(:class:`~geotrain.hive.local_gradients.LocalGradientsKeepingAverager`), and, wrapped by
-:func:`geotrain.hive.optimizer.guarded`, with the guard's checks (:mod:`geotrain.hive.guard`):
+(:class:`~geotrain.hive.averaging.local_gradients.LocalGradientsKeepingAverager`), and, wrapped by
+:func:`geotrain.hive.optim.optimizer.guarded`, with the guard's checks (:mod:`geotrain.hive.guard.contributions`):
 
 - The guard sees every part of both phases (both are ordinary hivemind all-reduces, registered under the
   group id plus the phase's name); non-finite values and an excessive weight are refused in both. The
@@ -46,7 +46,7 @@ from hivemind.optim.power_sgd_averager import AllReducePhases, PowerSGDGradientA
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.math import get_flatten_greedy_dims
 
-from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
+from geotrain.hive.averaging.local_gradients import LocalGradientsKeepingAverager
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ _PHASE_Q = AllReducePhases.PHASE_Q.name.encode()
 class _RunnerSeenByGuard:
     """An all-reduce runner of a PowerSGD round as the guard's check sees it: the same runner, except that
     this peer's own parts of PowerSGD factors read as None in ``parts_for_local_averaging``, so that
-    :func:`geotrain.hive.guard.contribution_refusal` checks them for finiteness and weight but not for norm.
+    :func:`geotrain.hive.guard.contributions.contribution_refusal` checks them for finiteness and weight but not for norm.
 
     Why the norm check does not fit the factors: it compares a sender's part with this peer's own part of
     the same span, on the grounds that honest mean gradients have norms of one scale. A factor's norm is

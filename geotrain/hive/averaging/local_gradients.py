@@ -1,6 +1,6 @@
 """hivemind's gradient averager, keeping this peer's own gradients for the fallback of a failed round.
 
-Its own module so that geotrain.hive.optimizer and the averagers built on it (geotrain.hive.powersgd) import it
+Its own module so that geotrain.hive.optim.optimizer and the averagers built on it (geotrain.hive.averaging.powersgd) import it
 without importing each other.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from hivemind.optim.grad_averager import GradientAverager
 
-from geotrain.hive.guard import hivemind_handle_name
+from geotrain.hive.guard.contributions import hivemind_handle_name
 
 
 class LocalGradientsKeepingAverager(GradientAverager):
@@ -66,7 +66,7 @@ class LocalGradientsKeepingAverager(GradientAverager):
         gradient averager's state is its last averaged gradients: a parameter-sized transfer (a third of an AdamW
         state, so a third more waiting over a thin link) that nobody reads, since hivemind resets the
         accumulators after a load and the next round overwrites the averaged gradients with them. (PowerSGD's
-        averager downloads its Q matrices: geotrain.hive.powersgd.)"""
+        averager downloads its Q matrices: geotrain.hive.averaging.powersgd.)"""
         return None
 
     @torch.no_grad()

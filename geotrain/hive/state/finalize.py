@@ -9,7 +9,7 @@ followed by peers that come later), and every other trainer downloads its exact 
 optimizer statistics, uncompressed). Trainers stop sharing their own state first.
 
 The final state spreads as a tree, not a star: a follower takes it from the finalizer or from any follower
-that already holds it, nearest first (geotrain.hive.donors), and then serves it too until every trainer
+that already holds it, nearest first (geotrain.hive.state.donors), and then serves it too until every trainer
 has it. A region without a holder sends one follower across (the lowest peer id of its unsynced
 candidates); the others of that region wait for it, up to half the agreement time, and then take it
 from anywhere. So across continents each region's thin link carries the state about once, not once per
@@ -27,8 +27,8 @@ import time
 
 from hivemind.utils import get_dht_time
 
-from geotrain.hive.keys import final_key, read_progress, read_subkeys
-from geotrain.hive.state import parameters_sha256
+from geotrain.hive.dht.keys import final_key, read_progress, read_subkeys
+from geotrain.hive.state.snapshot import parameters_sha256
 
 logger = logging.getLogger(__name__)
 

@@ -18,16 +18,16 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from geotrain.config import GeotrainConfig
-from geotrain.hive.diloco import OuterStateAverager, diloco_optimizer_class
-from geotrain.hive.admission import Admission, load_allowed_peer_ids, load_swarm_token
-from geotrain.hive.guard import GuardedAveragerMixin, GuardReport, hivemind_handle_name
+from geotrain.hive.optim.diloco import OuterStateAverager, diloco_optimizer_class
+from geotrain.hive.dht.admission import Admission, load_allowed_peer_ids, load_swarm_token
+from geotrain.hive.guard.contributions import GuardedAveragerMixin, GuardReport, hivemind_handle_name
 from geotrain.hive.hivemind_contract import install_patches
-from geotrain.hive.keys import read_progress
-from geotrain.hive.local_gradients import LocalGradientsKeepingAverager
-from geotrain.hive.missed_round import ALONE, LEAVING, MISSED, dht_is_running, reason_to_give_up, watch_round
-from geotrain.hive.powersgd import PowerSGDKeepingAverager
-from geotrain.hive.rounds import averaging_round_result, round_error
-from geotrain.hive.step_guard import StepGuard, all_finite, reset_statistics
+from geotrain.hive.dht.keys import read_progress
+from geotrain.hive.averaging.local_gradients import LocalGradientsKeepingAverager
+from geotrain.hive.averaging.missed_round import ALONE, LEAVING, MISSED, dht_is_running, reason_to_give_up, watch_round
+from geotrain.hive.averaging.powersgd import PowerSGDKeepingAverager
+from geotrain.hive.averaging.rounds import averaging_round_result, round_error
+from geotrain.hive.guard.step import StepGuard, all_finite, reset_statistics
 from geotrain.schedule import schedule_of
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def with_gradient_clipping(optimizer_class: type, max_norm: float) -> type:
 
 
 def with_step_guard(optimizer_class: type, guard: StepGuard) -> type:
-    """``optimizer_class`` whose step is checked by ``guard`` (:mod:`geotrain.hive.step_guard`): a step with a
+    """``optimizer_class`` whose step is checked by ``guard`` (:mod:`geotrain.hive.guard.step`): a step with a
     non-finite or outlying averaged gradient is skipped, and non-finite parameters after a step are restored."""
 
     class Guarded(optimizer_class):
@@ -109,7 +109,7 @@ BYTES_PER_VALUE = {"none": 4, "fp16": 2, "uniform8bit": 1}  # as sent, per compr
 
 def build_compression(name: str):
     """How each averaged part goes on the wire; powersgd sends its factors (and the tensors it leaves
-    uncompressed) in fp16, and state averaging (same compression) is fp16 too (geotrain.hive.powersgd)."""
+    uncompressed) in fp16, and state averaging (same compression) is fp16 too (geotrain.hive.averaging.powersgd)."""
     return {"none": NoCompression, "fp16": Float16Compression, "uniform8bit": Uniform8BitQuantization,
             "powersgd": Float16Compression}[name]()
 
@@ -122,7 +122,7 @@ class RecordingStateAverager(TrainingStateAverager):
     """
 
     loaded_epoch: int | None = None
-    guard_report: GuardReport | None = None  # set by geotrain.hive.guard's configured subclass
+    guard_report: GuardReport | None = None  # set by geotrain.hive.guard.contributions's configured subclass
     _get_handle_name = classmethod(hivemind_handle_name)
 
     _loading_state = False
@@ -146,7 +146,7 @@ class RecordingStateAverager(TrainingStateAverager):
     def _do(self, wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
             set_to_none, timeout=None, **kwargs):
         """hivemind's background step, with its state averaging round given up while it looks for a group that
-        will not form (:func:`~geotrain.hive.missed_round.watch_round`): the others have stepped past its epoch,
+        will not form (:func:`~geotrain.hive.averaging.missed_round.watch_round`): the others have stepped past its epoch,
         or no other trainer is left.
 
         hivemind runs each step's optimizer update and state round one after the other in one thread, so the
@@ -347,7 +347,7 @@ class MeasuredOptimizer(hivemind.Optimizer):
         Without delayed updates, a peer that took part in the swarm's round is still in it when the swarm's
         epoch moves on, so one epoch behind at a step means the round was missed. With delayed updates the
         others move their epoch on when they start the round, so one behind is also the normal way into a
-        round: hivemind's rule alone. A round given up by :func:`~geotrain.hive.missed_round.watch_round`
+        round: hivemind's rule alone. A round given up by :func:`~geotrain.hive.averaging.missed_round.watch_round`
         is a missed round too.
         """
         if super()._should_load_state_from_peers():
@@ -526,7 +526,7 @@ class MeasuredOptimizer(hivemind.Optimizer):
 
 
 def guarded(averager_class: type, admission: Admission, report: GuardReport, config: GeotrainConfig) -> type:
-    """``averager_class`` with the checks of :class:`~geotrain.hive.guard.GuardedAveragerMixin`, configured."""
+    """``averager_class`` with the checks of :class:`~geotrain.hive.guard.contributions.GuardedAveragerMixin`, configured."""
     max_weight = config.guard.max_claimed_batches * config.optimizer.target_batch_size + \
         config.optimizer.batch_size_per_step
     if issubclass(averager_class, OuterStateAverager):
@@ -552,8 +552,8 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
                              checked: bool = True):
     """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped).
 
-    Both averagers check their callers and what they receive (:mod:`geotrain.hive.guard`), the torch optimizer
-    checks each step (:mod:`geotrain.hive.step_guard`); refusals go to ``guard_report``.
+    Both averagers check their callers and what they receive (:mod:`geotrain.hive.guard.contributions`), the torch optimizer
+    checks each step (:mod:`geotrain.hive.guard.step`); refusals go to ``guard_report``.
     ``grad_averager_class``: a GradientAverager subclass used as given, without the checks, and ``checked``
     False: no checks at all (tests' hostile peers).
     """
@@ -589,7 +589,7 @@ def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module
                                {"state_averager_class": state_averager_class,
                                 "missed_round_check_s": max(1.0, opt.progress_refresh_s)})
     # DiLoCo's inner steps apply this peer's own gradients (checked by the trainer); its check is on the
-    # averaged pseudo-gradient (geotrain.hive.diloco)
+    # averaged pseudo-gradient (geotrain.hive.optim.diloco)
     step_guard = StepGuard(config.guard, report, peer_id=str(dht.peer_id)) if checked and not diloco else None
     delayed = opt.delayed_parameter_updates
     local_updates = opt.use_local_updates or diloco

@@ -9,7 +9,7 @@ import time
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
-from geotrain.hive.keys import progress_key
+from geotrain.hive.dht.keys import progress_key
 from geotrain.lifecycle import Stopper
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def withdraw_from_rounds(optimizer) -> list[str]:
     than when the training loop gets there); a running all-reduce is left to finish. A training loop
     blocked on a cancelled round gets its failure and steps with its own gradients, then sees the stop. The
     state round hivemind runs in the background is left the same way, and so is any that a step begins after
-    the request (:meth:`~geotrain.hive.optimizer.RecordingStateAverager.leave_rounds`): hivemind's shutdown waits
+    the request (:meth:`~geotrain.hive.optim.optimizer.RecordingStateAverager.leave_rounds`): hivemind's shutdown waits
     for it. Returns what it did to each round, for the log.
     """
     done = []
