@@ -50,7 +50,7 @@ from hivemind.utils.math import get_flatten_greedy_dims
 
 from geotrain.config import TaskConfig
 from geotrain.events import read_events
-from geotrain.hive.optim.optimizer import build_compression
+from geotrain.hive.optim.factory import build_compression
 from geotrain.tasks import build_task
 
 STATE_EVERY_3 = ["--set", "optimizer.average_state_every=3"]

@@ -34,7 +34,7 @@ from geotrain.hive.dht.node import connected_peer_addresses, start_dht, visible_
 from geotrain.hive.dht.identity import check_identity_file
 from geotrain.hive.dht.keys import swarm_epoch_and_trainers
 from geotrain.hive.dht.metric_records import read_records
-from geotrain.hive.optim.optimizer import build_hivemind_optimizer
+from geotrain.hive.optim.factory import build_hivemind_optimizer
 from geotrain.hive.state.snapshot import capture_state, restore_state
 from geotrain.lifecycle import Stopper
 from geotrain.tasks import build_task

@@ -46,7 +46,7 @@ _OPTIMIZER = "hivemind.optim.optimizer.Optimizer"
 _POWER_SGD = "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager"
 
 INTERNALS: tuple[Internal, ...] = (
-    # --- averagers: what peers send each other (geotrain.hive.guard.contributions, donors, stripes) ---------------------
+    # --- averagers: what peers send each other (geotrain.hive.guard.contributions, state.donors, state.stripes) --
     Internal(_AVERAGER, "rpc_join_group", OVERRIDE, ("self", "request", "context"),
              "refuse banned and unadmitted peers before they join a group (guard)"),
     Internal(_AVERAGER, "rpc_aggregate_part", OVERRIDE, ("self", "stream", "context"),
@@ -68,7 +68,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_AVERAGER, "_pending_groups_registered", READ, None, "wait for that round to be registered (guard)"),
     Internal("hivemind.p2p.servicer.ServicerBase", "_get_handle_name", REPLACE, ("cls", "namespace", "method_name"),
              "answer under the hivemind class's handler names whatever geotrain's class is called"),
-    # --- the state averager (geotrain.hive.optim.optimizer, diloco, state) ------------------------------------
+    # --- the state averager (geotrain.hive.optim.optimizer, optim.diloco, state.snapshot) -------------------
     Internal(_STATE_AVERAGER, "_do", OVERRIDE, ("self", "wait_for_trigger", "optimizer_step", "zero_grad",
                                                "averaging_round", "averaging_control", "grad_scaler",
                                                "set_to_none", "timeout", "kwargs"),
@@ -84,9 +84,9 @@ INTERNALS: tuple[Internal, ...] = (
              "clear the delta rule's round start after a download (a later result is then copied, not added)"),
     Internal(_STATE_AVERAGER, "_update_scheduler", CALL, ("self",),
              "step the learning-rate schedule to the epoch of a restored or loaded state"),
-    # --- the optimizer (geotrain.hive.optim.optimizer, diloco, local_gradients, missed_round) -----------------
+    # --- the optimizer (geotrain.hive.optim: optimizer, diloco; averaging: local_gradients, missed_round) ----
     Internal(_OPTIMIZER, "_make_state_averager", REPLACE, ("self", "kwargs"),
-             "build geotrain's state averager class, with its checks in place before its process forks"),
+             "build geotrain's state averager class (hivemind's hard-codes TrainingStateAverager)"),
     Internal(_OPTIMIZER, "_make_progress_tracker", OVERRIDE, ("self", "target_batch_size", "kwargs"),
              "DiLoCo's tracker, which counts a round in inner steps"),
     Internal(_OPTIMIZER, "_update_global_epoch", OVERRIDE, ("self", "grad_scaler"),
@@ -112,7 +112,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_POWER_SGD, "_qs", READ, None, "the factors, whose count and shapes a round's parts have"),
     Internal(_POWER_SGD, "_uncompressed_gradients_indexes", READ, None,
              "which gradients go uncompressed (the rest are in the feedback)"),
-    # --- the progress tracker and the DHT (geotrain.hive.optim.diloco, leave, dht) ----------------------------
+    # --- the progress tracker and the DHT (geotrain.hive.optim.diloco, optim.leave, dht.node) ------------------
     Internal("hivemind.optim.progress_tracker.ProgressTracker", "_parse_swarm_progress_data", OVERRIDE,
              ("self", "metadata"), "DiLoCo: read the swarm's progress in inner steps"),
     Internal("hivemind.optim.progress_tracker.ProgressTracker", "_local_public_key", READ, None,

@@ -5,7 +5,7 @@
 
 It reads its config exactly as ``geotrain peer`` does (the same flags, ``--config`` and ``--set``), builds
 the same model from the same task and preset (so hivemind's schema matches the honest peers'), and joins
-with geotrain's own :func:`~geotrain.hive.optim.optimizer.build_hivemind_optimizer`. It trains on real batches
+with geotrain's own :func:`~geotrain.hive.optim.factory.build_hivemind_optimizer`. It trains on real batches
 and reports its real progress; only its gradient averager, a subclass of hivemind's plain
 ``GradientAverager`` (none of geotrain's checks), lies in every averaging round:
 
@@ -77,8 +77,8 @@ def poisoned_averager_class(mode: str, events_path: Path | None) -> type:
 
     poisoned = {"nan": NaNGradients, "scale": ScaledGradients, "weight": ForgedWeight}[mode]
     # hivemind names an averager's RPCs after its class ("{prefix}::GradientAverager.rpc_join_group"), and
-    # geotrain's averagers answer under the names of hivemind's classes (geotrain.hive.guard.contributions): under a name of
-    # its own this peer could not even join the honest peers' groups, and would poison nothing
+    # geotrain's averagers answer under the names of hivemind's classes (geotrain.hive.guard.contributions): under a
+    # name of its own this peer could not even join the honest peers' groups, and would poison nothing
     poisoned.__name__ = poisoned.__qualname__ = GradientAverager.__name__
     return poisoned
 
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
     from geotrain.hive.dht.node import start_dht
     from geotrain.hive.dht.keys import announce_trainer, announced_trainers, read_progress
     from geotrain.hive.optim.leave import leave_swarm
-    from geotrain.hive.optim.optimizer import build_hivemind_optimizer
+    from geotrain.hive.optim.factory import build_hivemind_optimizer
     from geotrain.lifecycle import Stopper
     from geotrain.tasks import build_task
 

@@ -8,7 +8,7 @@ import contextlib
 import hivemind
 import torch
 
-from geotrain.hive.optim.optimizer import build_hivemind_optimizer
+from geotrain.hive.optim.factory import build_hivemind_optimizer
 
 
 @contextlib.contextmanager

@@ -14,9 +14,13 @@ import torch
 
 from geotrain.config import ConfigError, load_config
 from geotrain.hive.optim.diloco import (FINGERPRINT_VALUES, MAX_PSEUDO_GRADIENT_TO_PARAMETERS, majority_donor,
-                                  same_outer_parameters)
+                                        same_outer_parameters)
 from geotrain.hive.guard.contributions import GuardReport
-from geotrain.hive.optim.optimizer import build_hivemind_optimizer
+from geotrain.hive.averaging.local_gradients import LocalGradientsKeepingAverager
+from geotrain.hive.optim.averagers import GuardedDiLoCoStateAverager, GuardedGradientAverager, GuardedStateAverager
+from geotrain.hive.optim.diloco import DiLoCoOptimizer
+from geotrain.hive.optim.factory import build_hivemind_optimizer
+from geotrain.hive.optim.optimizer import MeasuredOptimizer, RecordingStateAverager
 from geotrain.hive.state.snapshot import capture_state, restore_state
 
 INNER_STEPS = 3
@@ -243,6 +247,37 @@ def test_without_overlap_the_model_is_the_outer_parameters_after_a_round(dht):
             assert torch.equal(parameter.detach(), outer_parameter)
     finally:
         optimizer.shutdown()
+
+
+def test_each_mode_runs_its_checked_classes_with_the_configs_settings(dht):
+    """What optim/factory.py's table says, and the settings reach the averagers (as constructor arguments, before
+    their processes fork): the guard's weight bound (1 for a DiLoCo pseudo-gradient), DiLoCo's quarter of the
+    inner steps, the donors' epoch tolerance; and the stock hivemind classes for an unchecked peer."""
+    def sync_config(run_id: str):
+        return load_config(set_args=["optimizer.network_profile=loopback", "optimizer.batch_size_per_step=4",
+                                     "optimizer.target_batch_size=64", f"swarm.run_id={run_id}"])
+
+    built = []
+    try:  # (each under a run id of its own: one DHT serves one averager of a name)
+        for config, checked in ((sync_config("classes-sync"), True), (diloco_config("classes-diloco"), True),
+                                (sync_config("classes-unchecked"), False)):
+            built.append(build_hivemind_optimizer(config, dht, torch.nn.Linear(4, 2), checked=checked))
+        sync, outer, unchecked = built
+        assert (type(sync), type(sync.state_averager), type(sync.grad_averager)) == (
+            MeasuredOptimizer, GuardedStateAverager, GuardedGradientAverager)
+        assert sync.state_averager.guard_max_weight == sync.grad_averager.guard_max_weight == \
+            load_config().guard.max_claimed_batches * 64 + 4
+        assert sync.state_averager.donor_epoch_tolerance == 1 and sync.missed_round_check_s >= 1.0
+        assert (type(outer), type(outer.state_averager)) == (DiLoCoOptimizer, GuardedDiLoCoStateAverager)
+        assert outer.state_averager.guard_max_weight == 1.0 and outer.state_averager.donor_epoch_tolerance == 0
+        assert outer.state_averager.min_inner_steps_for_norm_check == max(1.0, INNER_STEPS / 4)
+        assert outer.samples_per_trainer_round == INNER_STEPS * BATCH_SIZE
+        assert (type(unchecked.state_averager), type(unchecked.grad_averager)) == (
+            RecordingStateAverager, LocalGradientsKeepingAverager)
+        assert unchecked.state_averager.guard_report is None
+    finally:
+        for optimizer in built:
+            optimizer.shutdown()
 
 
 def test_a_long_rounds_honest_average_beyond_ten_times_the_parameters_norm_is_taken(dht):

@@ -1,4 +1,5 @@
-"""A stop request leaves the averaging rounds that have not begun at once (geotrain.hive.optim.leave, geotrain.lifecycle).
+"""A stop request leaves the averaging rounds that have not begun at once (geotrain.hive.optim.leave,
+geotrain.lifecycle).
 
 The rounds are hivemind's own StepControl objects, in the stages an averager puts them through; the optimizer
 that holds them is a plain namespace (what withdraw_from_rounds reads of hivemind's Optimizer: its two

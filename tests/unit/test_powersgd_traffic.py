@@ -1,5 +1,5 @@
-"""What one PowerSGD round sends (geotrain.hive.averaging.powersgd): the count the planner and the trainer's log use, against
-hivemind's own choice of the tensors it sends as they are."""
+"""What one PowerSGD round sends (geotrain.hive.averaging.powersgd): the count the planner and the trainer's log use,
+against hivemind's own choice of the tensors it sends as they are."""
 
 from __future__ import annotations
 

@@ -164,7 +164,7 @@ def test_a_peer_of_another_task_loads_timm_only_for_its_lamb_optimizer():
     loaded = _modules_loaded_after("import geotrain.trainer, geotrain.coordinator")
     assert "torch" in loaded and "hivemind" in loaded
     assert not loaded & {"timm", "torchvision", "transformers", "torchaudio"}
-    loaded = _modules_loaded_after("from geotrain.hive.optim.optimizer import optimizer_class_of\n"
+    loaded = _modules_loaded_after("from geotrain.hive.optim.factory import optimizer_class_of\n"
                                    "assert optimizer_class_of('lamb').__module__.startswith('timm.')\n"
                                    "assert optimizer_class_of('adamw').__name__ == 'AdamW'")
     assert "timm" in loaded

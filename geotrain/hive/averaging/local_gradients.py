@@ -1,7 +1,7 @@
 """hivemind's gradient averager, keeping this peer's own gradients for the fallback of a failed round.
 
-Its own module so that geotrain.hive.optim.optimizer and the averagers built on it (geotrain.hive.averaging.powersgd) import it
-without importing each other.
+Its own module so that geotrain.hive.optim.optimizer and the averagers built on it (geotrain.hive.averaging.powersgd)
+import it without importing each other.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 MISSED = "missed"
 ALONE = "alone"
 READ_TIMEOUT_S = 30.0  # a look-up of the progress records that takes longer is no reason; look again
-LEAVING = "leaving"  # (state rounds: this peer's stop was requested; geotrain.hive.optim.optimizer.RecordingStateAverager)
+LEAVING = "leaving"  # (state rounds: this peer's stop was requested; optim.optimizer.RecordingStateAverager)
 
 
 def reason_to_give_up(dht, run_id: str, own_peer_id: str, past_epoch: int) -> str | None:

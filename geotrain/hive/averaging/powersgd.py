@@ -13,11 +13,12 @@ with r = ``optimizer.powersgd_rank``. M is this peer's gradient *plus an error-f
 rank-r approximation left out of earlier rounds, added back before compressing (a full-size fp32 buffer in
 host memory, one more gradient-sized copy). Vectors (biases, norms) and matrices that r (m + n) would not
 shrink at least twofold (``min_compression_ratio``) are sent as they are, in phase Q. Every part goes on the
-wire in fp16 (:func:`geotrain.hive.optim.optimizer.build_compression`), and so do the state averaging rounds.
+wire in fp16 (:func:`geotrain.hive.optim.factory.build_compression`), and so do the state averaging rounds.
 
 :class:`PowerSGDKeepingAverager` is that averager with what geotrain's gradient averager adds
-(:class:`~geotrain.hive.averaging.local_gradients.LocalGradientsKeepingAverager`), and, wrapped by
-:func:`geotrain.hive.optim.optimizer.guarded`, with the guard's checks (:mod:`geotrain.hive.guard.contributions`):
+(:class:`~geotrain.hive.averaging.local_gradients.LocalGradientsKeepingAverager`), and
+as :class:`geotrain.hive.optim.averagers.GuardedPowerSGDAverager`, with the guard's checks
+(:mod:`geotrain.hive.guard.contributions`):
 
 - The guard sees every part of both phases (both are ordinary hivemind all-reduces, registered under the
   group id plus the phase's name); non-finite values and an excessive weight are refused in both. The
@@ -78,7 +79,8 @@ _PHASE_Q = AllReducePhases.PHASE_Q.name.encode()
 class _RunnerSeenByGuard:
     """An all-reduce runner of a PowerSGD round as the guard's check sees it: the same runner, except that
     this peer's own parts of PowerSGD factors read as None in ``parts_for_local_averaging``, so that
-    :func:`geotrain.hive.guard.contributions.contribution_refusal` checks them for finiteness and weight but not for norm.
+    :func:`geotrain.hive.guard.contributions.contribution_refusal` checks them for finiteness and weight but not for
+    norm.
 
     Why the norm check does not fit the factors: it compares a sender's part with this peer's own part of
     the same span, on the grounds that honest mean gradients have norms of one scale. A factor's norm is

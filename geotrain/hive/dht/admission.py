@@ -28,7 +28,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 # the token and the allow-list are read without hivemind (checked before a command starts); re-exported here
 from geotrain.hive.dht.admission_files import (MIN_TOKEN_CHARACTERS, TOKEN_ENVIRONMENT_VARIABLE,  # noqa: F401
-                                           AdmissionConfigError, load_allowed_peer_ids, load_swarm_token)
+                                               AdmissionConfigError, load_allowed_peer_ids, load_swarm_token)
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from geotrain.hive.dht.identity import check_identity_file
 from geotrain.ports import ensure_port_free
 from geotrain.processes import start_shared_memory_manager
 from geotrain.hive.dht.admission import (Admission, MembershipAnnouncer, SwarmTokenAuthorizer, load_allowed_peer_ids,
-                                     load_swarm_token)
+                                         load_swarm_token)
 from geotrain.hive.dht.metric_records import MetricsSchema
 from geotrain.hive.dht.record_limits import RecordLimits
 

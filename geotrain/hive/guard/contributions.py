@@ -30,6 +30,7 @@ import logging
 import math
 import multiprocessing
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -39,7 +40,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 from geotrain.hive.state.donors import (PROBATION_S, PROBE_TIMEOUT_S, STATE_BYTES_KEY, DownloadProgress, OwnEpoch,
-                                  donor_labels, download_state, measure_donors, rank_donors)
+                                        donor_labels, download_state, measure_donors, rank_donors)
 from geotrain.hive.dht.metric_records import read_records
 from geotrain.hive.state.stripes import PartRequest, PartRequestError, StateSnapshots, download_striped, part_messages, \
     stripe_donors
@@ -214,12 +215,28 @@ def hivemind_handle_name(cls, namespace, method_name: str) -> str:
     return handle_name if namespace is None else f"{namespace}::{handle_name}"
 
 
-class GuardedAveragerMixin:
-    """Checks for a hivemind DecentralizedAverager subclass (put first in the bases).
+@dataclass(frozen=True)
+class GuardSettings:
+    """What a :class:`GuardedAveragerMixin` checks against and where its state downloads come from (its
+    ``guard`` argument; the defaults are the mixin's class attributes)."""
 
-    Set before the averager starts (its process forks with them): ``guard_admission``
-    (:class:`~geotrain.hive.dht.admission.Admission`), ``guard_report`` (:class:`GuardReport`),
-    ``guard_config`` (:class:`~geotrain.config.GuardConfig`) and ``guard_max_weight``.
+    admission: object  # geotrain.hive.dht.admission.Admission
+    report: GuardReport
+    config: object  # geotrain.config.GuardConfig
+    max_weight: float  # the most samples a contribution may claim
+    region: str | None  # this peer's region and run, for the donors' records
+    run_id: str | None
+    min_rate_bytes_s: float  # a donor below this rate is dropped
+    stall_s: float  # ... and one that sends nothing this long
+    epoch_tolerance: int  # how many epochs a donor may be behind the newest and still count as current
+    max_stripes: int  # a state of at least stripe_min_bytes comes in stripes from up to this many donors
+    stripe_min_bytes: float
+
+
+class GuardedAveragerMixin:
+    """Checks for a hivemind DecentralizedAverager subclass (put first in the bases), configured by the
+    ``guard`` argument (a :class:`GuardSettings`): set before hivemind's constructor forks the averager's
+    process, which checks with them too.
     """
 
     guard_admission = None
@@ -242,6 +259,16 @@ class GuardedAveragerMixin:
 
     _get_handle_name = classmethod(lambda cls, namespace, method_name: hivemind_handle_name(cls, namespace,
                                                                                            method_name))
+
+    def __init__(self, *args, guard: GuardSettings | None = None, **kwargs):
+        if guard is not None:
+            self.guard_admission, self.guard_report = guard.admission, guard.report
+            self.guard_config, self.guard_max_weight = guard.config, float(guard.max_weight)
+            self.donor_region, self.donor_run_id = guard.region, guard.run_id
+            self.donor_min_rate_bytes_s, self.donor_stall_s = guard.min_rate_bytes_s, guard.stall_s
+            self.donor_epoch_tolerance = guard.epoch_tolerance
+            self.donor_max_stripes, self.donor_stripe_min_bytes = guard.max_stripes, guard.stripe_min_bytes
+        super().__init__(*args, **kwargs)
 
     # --- whom to serve --------------------------------------------------------------------------------
     def guard_is_banned(self, peer_id) -> bool:

@@ -63,6 +63,7 @@ from hivemind.optim.state_averager import (TrainingStateAverager, dump_optimizer
 
 from geotrain.hive.averaging.rounds import averaging_round_result
 from geotrain.hive.guard.step import all_finite, total_norm
+from geotrain.hive.optim.optimizer import MeasuredOptimizer, RecordingStateAverager
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +129,9 @@ class OuterStateAverager(TrainingStateAverager):
     resyncing: bool = False  # set by the optimizer while it loads the state of its round's majority
     refused_state: str | None = None  # why the last downloaded state was refused
     refused_state_behind: bool = False  # ... because it was of an older epoch: late, which an honest peer can be
-    guard_report = None  # set by geotrain.hive.optim.optimizer.guarded
-    min_inner_steps_for_norm_check: float = 1.0  # set by build (a class attribute): a quarter of inner_steps
-    overlap_rounds: bool = False  # set by build (a class attribute): optimizer.diloco.overlap_rounds
+    guard_report = None  # GuardedDiLoCoStateAverager's (geotrain.hive.guard.contributions.GuardSettings)
+    min_inner_steps_for_norm_check: float = 1.0  # a quarter of optimizer.diloco.inner_steps
+    overlap_rounds: bool = False  # optimizer.diloco.overlap_rounds
     _round_prepared: bool = False  # the round's pseudo-gradient is in the averaging buffers (prepare_round)
     _boundary_parameters: list[torch.Tensor] | None = None  # local parameters at the round's boundary (overlap)
     # Honest pseudo-gradients of one round differ far more in norm than honest gradients do (up to 43x in a
@@ -138,8 +139,10 @@ class OuterStateAverager(TrainingStateAverager):
     # still refuses a contribution scaled a million times
     contribution_norm_slack = 100
 
-    def __init__(self, *args, **kwargs):
-        # shared with the averager's process (it forks in hivemind's __init__), where the guard reads it
+    def __init__(self, *args, min_inner_steps_for_norm_check: float = 1.0, overlap_rounds: bool = False, **kwargs):
+        # shared with the averager's process (it forks in hivemind's __init__), where the guard reads them
+        self.min_inner_steps_for_norm_check = min_inner_steps_for_norm_check
+        self.overlap_rounds = overlap_rounds
         self.own_inner_steps = multiprocessing.Value(ctypes.c_double, 0.0, lock=False)
         super().__init__(*args, **kwargs)
         if self.overlap_rounds:
@@ -149,9 +152,9 @@ class OuterStateAverager(TrainingStateAverager):
             self.step_executor = ThreadPoolExecutor(max_workers=2)
 
     def contribution_norm_applies(self) -> bool:
-        """Whether the guard (geotrain.hive.guard.contributions) compares received parts with this peer's own pseudo-gradient:
-        pseudo-gradients grow with a peer's inner steps, so a peer with few steps this round (it just joined or
-        re-synced) has no fair scale to compare with."""
+        """Whether the guard (geotrain.hive.guard.contributions) compares received parts with this peer's own
+        pseudo-gradient: pseudo-gradients grow with a peer's inner steps, so a peer with few steps this round (it just
+        joined or re-synced) has no fair scale to compare with."""
         return self.own_inner_steps.value >= self.min_inner_steps_for_norm_check
 
     @torch.no_grad()
@@ -381,6 +384,12 @@ class OuterStateAverager(TrainingStateAverager):
         self._update_fingerprint()
 
 
+class DiLoCoStateAverager(OuterStateAverager, RecordingStateAverager):
+    """The state averager a DiLoCo trainer runs: outer rounds (:class:`OuterStateAverager`) with what
+    :class:`~geotrain.hive.optim.optimizer.RecordingStateAverager` adds to every state averager (the epoch of
+    each state download, state rounds given up when no group will form, the guard's last good parameters)."""
+
+
 def same_outer_parameters(first: list[float], second: list[float]) -> bool:
     """Whether two fingerprints come from the same outer parameters, up to the rounding of a compressed round
     (hivemind's all-reduce hands each member its average through the compression, so members differ in the
@@ -405,162 +414,168 @@ def majority_donor(gathered: dict) -> tuple[str | None, int, list[float] | None]
     return best, best_count, fingerprints.get(best)
 
 
-def diloco_optimizer_class(base: type) -> type:
-    """``base`` (geotrain's hivemind.Optimizer subclass) running outer rounds; see the module's docstring."""
+class DiLoCoOptimizer(MeasuredOptimizer):
+    """geotrain's optimizer running outer rounds (see the module's docstring); its settings, the round's
+    samples per trainer, the bytes a pseudo-gradient sends and how long a refused donor is banned, are set
+    before hivemind's constructor makes the progress tracker."""
 
-    class DiLoCoOptimizer(base):
-        samples_per_trainer_round: int = 1
-        pseudo_gradient_bytes: int = 0  # compressed, as sent
-        on_outer_round = None  # callable(result, duration_s, group_size, pseudo_gradient_norm, sent_bytes)
-        blocking_communication_s = 0.0  # seconds of outer rounds and state loads so far (the rest of step() computes)
-        _resync_from: str | None = None  # peer id of the round's majority whose outer state to load
-        _round_in_flight: dict | None = None  # an overlapped round whose outer step has not landed yet
-        on_outer_state_loaded = None  # callable(donor peer id or None: any, epoch of the state)
-        guard_ban_s: float = 600.0  # set by build: guard.ban_s
+    samples_per_trainer_round: int = 1
+    pseudo_gradient_bytes: int = 0  # compressed, as sent
+    on_outer_round = None  # callable(result, duration_s, group_size, pseudo_gradient_norm, sent_bytes)
+    blocking_communication_s = 0.0  # seconds of outer rounds and state loads so far (the rest of step() computes)
+    _resync_from: str | None = None  # peer id of the round's majority whose outer state to load
+    _round_in_flight: dict | None = None  # an overlapped round whose outer step has not landed yet
+    on_outer_state_loaded = None  # callable(donor peer id or None: any, epoch of the state)
+    guard_ban_s: float = 600.0  # guard.ban_s
 
-        def _make_state_averager(self, **kwargs):
-            # hivemind turns on its delta rule for delayed averaging with local updates; the outer step keeps the
-            # inner steps' progress its own way (OuterStateAverager._outer_step), and the delta rule would make
-            # every inner step wait for the round in flight
-            kwargs["delta_rule_averaging"] = False
-            return super()._make_state_averager(**kwargs)
+    def __init__(self, *args, samples_per_trainer_round: int = 1, pseudo_gradient_bytes: int = 0,
+                 guard_ban_s: float = 600.0, **kwargs):
+        self.samples_per_trainer_round = samples_per_trainer_round
+        self.pseudo_gradient_bytes = pseudo_gradient_bytes
+        self.guard_ban_s = guard_ban_s
+        super().__init__(*args, **kwargs)
 
-        def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
-            tracker = RoundTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
-                                   client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=False,
-                                   **kwargs)
-            tracker.samples_per_trainer = self.samples_per_trainer_round
-            tracker.target_batch_size = self.samples_per_trainer_round
-            tracker.start()
-            return tracker
+    def _make_state_averager(self, **kwargs):
+        # hivemind turns on its delta rule for delayed averaging with local updates; the outer step keeps the
+        # inner steps' progress its own way (OuterStateAverager._outer_step), and the delta rule would make
+        # every inner step wait for the round in flight
+        kwargs["delta_rule_averaging"] = False
+        return super()._make_state_averager(**kwargs)
 
-        def _others_in_sight(self) -> bool:
-            """Whether other trainers report progress, from a fresh look at the DHT (hivemind's view can be seconds
-            old: trainers that start together would each take their first rounds alone, and step apart)."""
-            tracker = self.tracker
-            tracker.fetched_global_progress_this_epoch.clear()
-            tracker.global_progress.next_fetch_time = get_dht_time()
-            tracker.global_state_updated.set()
-            tracker.fetched_global_progress_this_epoch.wait(ALONE_REFRESH_S)
-            return tracker.global_progress.num_peers > 1
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+        tracker = RoundTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                               client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=False,
+                               **kwargs)
+        tracker.samples_per_trainer = self.samples_per_trainer_round
+        tracker.target_batch_size = self.samples_per_trainer_round
+        tracker.start()
+        return tracker
 
-        def _update_global_epoch(self, grad_scaler) -> None:
-            self.finish_outer_round()  # an overlapped round's outer step lands before this round's pseudo-gradient
-            if self.tracker.global_progress.num_peers <= 1 and self._others_in_sight() \
-                    and not self.tracker.ready_to_update_epoch:
-                return  # the round is larger with the others counted: train on
-            averager = self.state_averager
-            trainers = self.tracker.global_progress.num_peers
-            applied_before = averager.outer_rounds_applied
-            next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
-            control = self.scheduled_state
-            if trainers > 1 and (control is None or control.triggered or control.done()):
-                # scheduled here when hivemind did not pre-schedule it, so that its outcome is known afterwards
-                control = self.scheduled_state = averager.schedule_step(gather=next_epoch,
-                                                                        timeout=self.averaging_timeout)
-            round_ = {"control": control, "own_fingerprint": averager.outer_fingerprint, "trainers": trainers,
-                      "applied_before": applied_before, "started": time.perf_counter()}
-            averager.own_inner_steps.value = self.tracker.local_progress.samples_accumulated / self.batch_size_per_step
-            if averager.overlap_rounds:
-                averager.prepare_round()
-            super()._update_global_epoch(grad_scaler)
-            self.blocking_communication_s += time.perf_counter() - round_["started"]
-            in_flight = averager.overlap_rounds and (averager.finished_averaging_round.is_set() or any(
-                not update.done() for update in averager.pending_updates))
-            if in_flight:  # its outer step lands later (finish_outer_round)
-                self._round_in_flight = round_
-            else:
-                self._report_round(round_)
+    def _others_in_sight(self) -> bool:
+        """Whether other trainers report progress, from a fresh look at the DHT (hivemind's view can be seconds
+        old: trainers that start together would each take their first rounds alone, and step apart)."""
+        tracker = self.tracker
+        tracker.fetched_global_progress_this_epoch.clear()
+        tracker.global_progress.next_fetch_time = get_dht_time()
+        tracker.global_state_updated.set()
+        tracker.fetched_global_progress_this_epoch.wait(ALONE_REFRESH_S)
+        return tracker.global_progress.num_peers > 1
 
-        def step(self, *args, **kwargs):
-            round_ = self._round_in_flight
-            if round_ is not None and (self.state_averager.finished_averaging_round.is_set()
-                                       or self.state_averager.outer_rounds_applied > round_["applied_before"]):
-                self.finish_outer_round()  # the overlapped round's all-reduce is done: its outer step lands now
-            return super().step(*args, **kwargs)
-
-        def finish_outer_round(self) -> None:
-            """Wait for an overlapped round still in flight and apply its outer step (a no-op without one); the
-            trainer calls it after its last micro-step, so that the run ends on the last round's outer step."""
-            round_ = self._round_in_flight
-            if round_ is None:
-                return
-            self._round_in_flight = None
-            averager = self.state_averager
-            waited = time.perf_counter()
-            averager.step(wait_for_delayed_updates=True)  # waits for the all-reduce, applies its outer step
-            self.blocking_communication_s += time.perf_counter() - waited
+    def _update_global_epoch(self, grad_scaler) -> None:
+        self.finish_outer_round()  # an overlapped round's outer step lands before this round's pseudo-gradient
+        if self.tracker.global_progress.num_peers <= 1 and self._others_in_sight() \
+                and not self.tracker.ready_to_update_epoch:
+            return  # the round is larger with the others counted: train on
+        averager = self.state_averager
+        trainers = self.tracker.global_progress.num_peers
+        applied_before = averager.outer_rounds_applied
+        next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
+        control = self.scheduled_state
+        if trainers > 1 and (control is None or control.triggered or control.done()):
+            # scheduled here when hivemind did not pre-schedule it, so that its outcome is known afterwards
+            control = self.scheduled_state = averager.schedule_step(gather=next_epoch,
+                                                                    timeout=self.averaging_timeout)
+        round_ = {"control": control, "own_fingerprint": averager.outer_fingerprint, "trainers": trainers,
+                  "applied_before": applied_before, "started": time.perf_counter()}
+        averager.own_inner_steps.value = self.tracker.local_progress.samples_accumulated / self.batch_size_per_step
+        if averager.overlap_rounds:
+            averager.prepare_round()
+        super()._update_global_epoch(grad_scaler)
+        self.blocking_communication_s += time.perf_counter() - round_["started"]
+        in_flight = averager.overlap_rounds and (averager.finished_averaging_round.is_set() or any(
+            not update.done() for update in averager.pending_updates))
+        if in_flight:  # its outer step lands later (finish_outer_round)
+            self._round_in_flight = round_
+        else:
             self._report_round(round_)
 
-        def _report_round(self, round_: dict) -> None:
-            """After a round's outer step: re-sync when this peer stepped from other outer parameters than the
-            round's majority, then the log line and the on_outer_round callback."""
-            averager, control = self.state_averager, round_["control"]
-            duration_s = time.perf_counter() - round_["started"]
-            group_size, result, gathered = 1, "alone", {}
-            if averager.outer_rounds_applied == round_["applied_before"]:  # no round ran: a swarm of one, or skipped
-                averager.apply_own_pseudo_gradient_()
-                if control is not None and not control.done():
-                    control.cancel()
-            elif control is not None:
-                result = averaging_round_result(control)
-                if result == "ok":
-                    gathered = control.result()
-                    group_size = len(gathered)
-                if averager.refused_average:
-                    result = "refused"
-            donor, sharing, donor_fingerprint = majority_donor(gathered)
-            if donor_fingerprint is not None and not same_outer_parameters(round_["own_fingerprint"],
-                                                                           donor_fingerprint):
-                # this peer's outer parameters were not the group's (a round it missed, a split group, a refused
-                # average): it takes those of the group's majority, so that every trainer steps from the same ones
-                self._resync_from = donor
-                logger.warning("outer round %d: this trainer's outer parameters differ from those of the round's "
-                               "majority (%d of %d trainers); loading them from %s before the next step",
-                               self.local_epoch, sharing, group_size, donor)
-            else:
-                logger.info("outer round %d: %s with %d of %d trainers in %.1f s, pseudo-gradient norm %.4g",
-                            self.local_epoch, result, group_size, max(round_["trainers"], group_size), duration_s,
-                            averager.last_pseudo_gradient_norm or 0.0)
-            if self.on_outer_round is not None:
-                # hivemind's butterfly all-reduce: each of g peers sends (g - 1) / g of its part twice (reduce, gather)
-                sent_bytes = 2 * self.pseudo_gradient_bytes * (group_size - 1) / group_size
-                self.on_outer_round(result, duration_s, group_size, averager.last_pseudo_gradient_norm, sent_bytes)
+    def step(self, *args, **kwargs):
+        round_ = self._round_in_flight
+        if round_ is not None and (self.state_averager.finished_averaging_round.is_set()
+                                   or self.state_averager.outer_rounds_applied > round_["applied_before"]):
+            self.finish_outer_round()  # the overlapped round's all-reduce is done: its outer step lands now
+        return super().step(*args, **kwargs)
 
-        def _should_load_state_from_peers(self) -> bool:
-            return self._resync_from is not None or super()._should_load_state_from_peers()
+    def finish_outer_round(self) -> None:
+        """Wait for an overlapped round still in flight and apply its outer step (a no-op without one); the
+        trainer calls it after its last micro-step, so that the run ends on the last round's outer step."""
+        round_ = self._round_in_flight
+        if round_ is None:
+            return
+        self._round_in_flight = None
+        averager = self.state_averager
+        waited = time.perf_counter()
+        averager.step(wait_for_delayed_updates=True)  # waits for the all-reduce, applies its outer step
+        self.blocking_communication_s += time.perf_counter() - waited
+        self._report_round(round_)
 
-        def load_state_from_peers(self, **kwargs):
-            self.finish_outer_round()
-            donor, self._resync_from = self._resync_from, None
-            report = self.state_averager.guard_report
-            averager = self.state_averager
-            loaded_before = averager.loaded_epoch
+    def _report_round(self, round_: dict) -> None:
+        """After a round's outer step: re-sync when this peer stepped from other outer parameters than the
+        round's majority, then the log line and the on_outer_round callback."""
+        averager, control = self.state_averager, round_["control"]
+        duration_s = time.perf_counter() - round_["started"]
+        group_size, result, gathered = 1, "alone", {}
+        if averager.outer_rounds_applied == round_["applied_before"]:  # no round ran: a swarm of one, or skipped
+            averager.apply_own_pseudo_gradient_()
+            if control is not None and not control.done():
+                control.cancel()
+        elif control is not None:
+            result = averaging_round_result(control)
+            if result == "ok":
+                gathered = control.result()
+                group_size = len(gathered)
+            if averager.refused_average:
+                result = "refused"
+        donor, sharing, donor_fingerprint = majority_donor(gathered)
+        if donor_fingerprint is not None and not same_outer_parameters(round_["own_fingerprint"],
+                                                                       donor_fingerprint):
+            # this peer's outer parameters were not the group's (a round it missed, a split group, a refused
+            # average): it takes those of the group's majority, so that every trainer steps from the same ones
+            self._resync_from = donor
+            logger.warning("outer round %d: this trainer's outer parameters differ from those of the round's "
+                           "majority (%d of %d trainers); loading them from %s before the next step",
+                           self.local_epoch, sharing, group_size, donor)
+        else:
+            logger.info("outer round %d: %s with %d of %d trainers in %.1f s, pseudo-gradient norm %.4g",
+                        self.local_epoch, result, group_size, max(round_["trainers"], group_size), duration_s,
+                        averager.last_pseudo_gradient_norm or 0.0)
+        if self.on_outer_round is not None:
+            # hivemind's butterfly all-reduce: each of g peers sends (g - 1) / g of its part twice (reduce, gather)
+            sent_bytes = 2 * self.pseudo_gradient_bytes * (group_size - 1) / group_size
+            self.on_outer_round(result, duration_s, group_size, averager.last_pseudo_gradient_norm, sent_bytes)
+
+    def _should_load_state_from_peers(self) -> bool:
+        return self._resync_from is not None or super()._should_load_state_from_peers()
+
+    def load_state_from_peers(self, **kwargs):
+        self.finish_outer_round()
+        donor, self._resync_from = self._resync_from, None
+        report = self.state_averager.guard_report
+        averager = self.state_averager
+        loaded_before = averager.loaded_epoch
+        if donor is not None and report is not None:
+            report.set_only_donor(donor)
+        averager.resyncing, averager.refused_state, averager.refused_state_behind = donor is not None, None, False
+        started = time.perf_counter()
+        try:
+            result = super().load_state_from_peers(**kwargs)
+        finally:
+            self.blocking_communication_s += time.perf_counter() - started
+            averager.resyncing = False
             if donor is not None and report is not None:
-                report.set_only_donor(donor)
-            averager.resyncing, averager.refused_state, averager.refused_state_behind = donor is not None, None, False
-            started = time.perf_counter()
-            try:
-                result = super().load_state_from_peers(**kwargs)
-            finally:
-                self.blocking_communication_s += time.perf_counter() - started
-                averager.resyncing = False
-                if donor is not None and report is not None:
-                    report.set_only_donor(None)
-            if donor is not None and averager.refused_state is not None and averager.refused_state_behind:
-                # the majority's donor had not applied the round's outer step yet (it runs in the background): late,
-                # not forged. Seen in CI: a trainer banned an honest one for this, and the two ended the run on
-                # different final states. This peer resyncs after its next round.
-                logger.info("the outer state of %s is not this round's yet (%s); not banned", donor,
-                            averager.refused_state)
-            elif donor is not None and averager.refused_state is not None and report is not None:
-                # the round's "majority" offered a state that no honest round could have made: a forged one
-                report.bans.ban(donor, self.guard_ban_s)
-                logger.warning("banned %s for %.0f s: its outer state was refused (%s)", donor, self.guard_ban_s,
-                               averager.refused_state)
-            loaded = self.state_averager.loaded_epoch
-            if self.on_outer_state_loaded is not None and loaded is not None and loaded != loaded_before:
-                self.on_outer_state_loaded(donor, loaded)
-            return result
-
-    return DiLoCoOptimizer
+                report.set_only_donor(None)
+        if donor is not None and averager.refused_state is not None and averager.refused_state_behind:
+            # the majority's donor had not applied the round's outer step yet (it runs in the background): late,
+            # not forged. Seen in CI: a trainer banned an honest one for this, and the two ended the run on
+            # different final states. This peer resyncs after its next round.
+            logger.info("the outer state of %s is not this round's yet (%s); not banned", donor,
+                        averager.refused_state)
+        elif donor is not None and averager.refused_state is not None and report is not None:
+            # the round's "majority" offered a state that no honest round could have made: a forged one
+            report.bans.ban(donor, self.guard_ban_s)
+            logger.warning("banned %s for %.0f s: its outer state was refused (%s)", donor, self.guard_ban_s,
+                           averager.refused_state)
+        loaded = self.state_averager.loaded_epoch
+        if self.on_outer_state_loaded is not None and loaded is not None and loaded != loaded_before:
+            self.on_outer_state_loaded(donor, loaded)
+        return result

@@ -1,7 +1,9 @@
-"""hivemind.Optimizer as geotrain builds it: the one place where the config's optimizer knobs are mapped.
+"""geotrain's hivemind.Optimizer and state averager (built from the config by
+:func:`geotrain.hive.optim.factory.build_hivemind_optimizer`).
 
-:func:`build_hivemind_optimizer` is used by trainers and by the coordinator (which holds the same state
-without ever stepping). :class:`MeasuredOptimizer` reports how each gradient averaging round ended.
+:class:`MeasuredOptimizer` reports how each gradient averaging round ended, gives up rounds no group will form
+for, and loads the swarm's state when it missed its round. :class:`RecordingStateAverager` records the epoch of
+each state download, keeps non-finite averaging results out, and lets a leaving peer give up its state round.
 """
 
 from __future__ import annotations
@@ -12,106 +14,20 @@ from functools import partial
 
 import hivemind
 import torch
-from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from geotrain.config import GeotrainConfig
-from geotrain.hive.optim.diloco import OuterStateAverager, diloco_optimizer_class
-from geotrain.hive.dht.admission import Admission, load_allowed_peer_ids, load_swarm_token
-from geotrain.hive.guard.contributions import GuardedAveragerMixin, GuardReport, hivemind_handle_name
-from geotrain.hive.hivemind_contract import install_patches
-from geotrain.hive.dht.keys import read_progress
 from geotrain.hive.averaging.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.averaging.missed_round import ALONE, LEAVING, MISSED, dht_is_running, reason_to_give_up, watch_round
-from geotrain.hive.averaging.powersgd import PowerSGDKeepingAverager
 from geotrain.hive.averaging.rounds import averaging_round_result, round_error
+from geotrain.hive.dht.keys import read_progress
+from geotrain.hive.guard.contributions import GuardReport, hivemind_handle_name
 from geotrain.hive.guard.step import StepGuard, all_finite, reset_statistics
-from geotrain.schedule import schedule_of
 
 logger = logging.getLogger(__name__)
 
 MIN_GROUP_SIZE = 2  # hivemind's averagers' default: the fewest peers an averaging group forms with
-
-
-def optimizer_class_of(name: str) -> type:
-    """The torch optimizer class the config's ``optimizer.optimizer`` names.
-
-    timm's LAMB is imported only when asked: importing timm loads torchvision and torch's compiler, about
-    2 s of every peer's start on these machines, which an NLP, ASR or emulated peer would spend for nothing.
-    """
-    if name == "lamb":
-        from timm.optim import Lamb
-
-        return Lamb
-    return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
-
-
-def with_gradient_clipping(optimizer_class: type, max_norm: float) -> type:
-    """``optimizer_class`` whose step first clips the gradients it applies to a global L2 norm of ``max_norm``.
-
-    hivemind runs the torch optimizer on the *averaged* gradients (in its state averager), so clipping
-    inside the optimizer's step clips what the swarm agreed on, the same on every peer.
-    """
-
-    class Clipped(optimizer_class):
-        def step(self, closure=None):
-            gradients = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(gradients, max_norm)
-            return super().step(closure)
-
-    Clipped.__name__ = Clipped.__qualname__ = f"Clipped{optimizer_class.__name__}"
-    return Clipped
-
-
-def with_step_guard(optimizer_class: type, guard: StepGuard) -> type:
-    """``optimizer_class`` whose step is checked by ``guard`` (:mod:`geotrain.hive.guard.step`): a step with a
-    non-finite or outlying averaged gradient is skipped, and non-finite parameters after a step are restored."""
-
-    class Guarded(optimizer_class):
-        @torch.no_grad()
-        def step(self, closure=None):
-            parameters = [p for group in self.param_groups for p in group["params"]]
-            if not guard.allows_step([p.grad for p in parameters if p.grad is not None]):
-                return None
-            result = super().step(closure)
-            guard.after_step(parameters, self)
-            return result
-
-    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{optimizer_class.__name__}"
-    return Guarded
-
-
-def build_torch_optimizer_factory(config: GeotrainConfig, step_guard: StepGuard | None = None):
-    opt = config.optimizer
-    optimizer_class = optimizer_class_of(opt.optimizer)
-    if opt.grad_clip_norm is not None:
-        optimizer_class = with_gradient_clipping(optimizer_class, opt.grad_clip_norm)
-    if step_guard is not None:  # outermost: it sees the averaged gradients before clipping hides their norm
-        optimizer_class = with_step_guard(optimizer_class, step_guard)
-    options = {"lr": opt.learning_rate, "weight_decay": opt.weight_decay}
-    if opt.optimizer == "sgd":
-        options["momentum"] = 0.9
-    return partial(optimizer_class, **options)
-
-
-def build_scheduler_factory(config: GeotrainConfig):
-    """LambdaLR by the swarm's epoch (hivemind steps it with the epoch; see geotrain.schedule); None: constant."""
-    opt = config.optimizer
-    if opt.lr_schedule == "constant" and opt.warmup_epochs == 0:
-        return None
-    return partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=schedule_of(config))
-
-
-BYTES_PER_VALUE = {"none": 4, "fp16": 2, "uniform8bit": 1}  # as sent, per compression (8-bit: plus a small table)
-
-
-def build_compression(name: str):
-    """How each averaged part goes on the wire; powersgd sends its factors (and the tensors it leaves
-    uncompressed) in fp16, and state averaging (same compression) is fp16 too (geotrain.hive.averaging.powersgd)."""
-    return {"none": NoCompression, "fp16": Float16Compression, "uniform8bit": Uniform8BitQuantization,
-            "powersgd": Float16Compression}[name]()
 
 
 class RecordingStateAverager(TrainingStateAverager):
@@ -122,7 +38,7 @@ class RecordingStateAverager(TrainingStateAverager):
     """
 
     loaded_epoch: int | None = None
-    guard_report: GuardReport | None = None  # set by geotrain.hive.guard.contributions's configured subclass
+    guard_report: GuardReport | None = None  # GuardedStateAverager's (geotrain.hive.guard.contributions.GuardSettings)
     _get_handle_name = classmethod(hivemind_handle_name)
 
     _loading_state = False
@@ -146,8 +62,8 @@ class RecordingStateAverager(TrainingStateAverager):
     def _do(self, wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
             set_to_none, timeout=None, **kwargs):
         """hivemind's background step, with its state averaging round given up while it looks for a group that
-        will not form (:func:`~geotrain.hive.averaging.missed_round.watch_round`): the others have stepped past its epoch,
-        or no other trainer is left.
+        will not form (:func:`~geotrain.hive.averaging.missed_round.watch_round`): the others have stepped past its
+        epoch, or no other trainer is left.
 
         hivemind runs each step's optimizer update and state round one after the other in one thread, so the
         next step's update waits for this round. Seen in tests/integration/test_preemption.py: a trainer that had
@@ -321,9 +237,15 @@ class MeasuredOptimizer(hivemind.Optimizer):
 
     state_averager_class: type = RecordingStateAverager
 
+    def __init__(self, *args, state_averager_class: type = RecordingStateAverager, missed_round_check_s: float = 1.0,
+                 **kwargs):
+        self.state_averager_class = state_averager_class
+        self.missed_round_check_s = missed_round_check_s
+        super().__init__(*args, **kwargs)
+
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        # hivemind's construction (hivemind/optim/optimizer.py:283-298) with geotrain's class: its checks must
-        # be in the class when the averager's process forks, at construction
+        # hivemind's construction (hivemind/optim/optimizer.py:283-298) with geotrain's class, which hivemind's
+        # hard-codes
         averager = self.state_averager_class(
             dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
             allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
@@ -523,129 +445,3 @@ class MeasuredOptimizer(hivemind.Optimizer):
             self._load_averaged_gradients_into_optimizer_()  # from the averaged tensors on, as hivemind does
             return
         super()._load_local_gradients_into_optimizer()  # the accumulators were not reset: hivemind's way is right
-
-
-def guarded(averager_class: type, admission: Admission, report: GuardReport, config: GeotrainConfig) -> type:
-    """``averager_class`` with the checks of :class:`~geotrain.hive.guard.contributions.GuardedAveragerMixin`, configured."""
-    max_weight = config.guard.max_claimed_batches * config.optimizer.target_batch_size + \
-        config.optimizer.batch_size_per_step
-    if issubclass(averager_class, OuterStateAverager):
-        max_weight = 1.0  # every member of a DiLoCo round sends its pseudo-gradient at hivemind's weight of 1
-    opt = config.optimizer
-    return type(f"Guarded{averager_class.__name__}", (GuardedAveragerMixin, averager_class),
-                {"guard_admission": admission, "guard_report": report, "guard_config": config.guard,
-                 "guard_max_weight": float(max_weight),
-                 "donor_region": config.metrics.region, "donor_run_id": config.swarm.run_id,
-                 "donor_min_rate_bytes_s": opt.state_download_min_mbit_s * 1e6 / 8,
-                 "donor_stall_s": opt.state_download_stall_s,
-                 # DiLoCo's checks of a downloaded state (the majority, the round's outer step) judge one donor's
-                 "donor_max_stripes": 1 if opt.mode == "diloco" else opt.state_download_max_donors,
-                 "donor_stripe_min_bytes": opt.state_download_stripe_min_mb * 1e6,
-                 # a DiLoCo state one round old is a different model (sync mode: hivemind's catch-up covers one;
-                 # asking only donors of the newest epoch first sent rejoins in the churn soak across oceans
-                 # rather than to the coordinator next to them, one epoch behind: 39 s instead of 0.2 s)
-                 "donor_epoch_tolerance": 0 if opt.mode == "diloco" else 1})
-
-
-def build_hivemind_optimizer(config: GeotrainConfig, dht, model: torch.nn.Module, on_averaging_round=None,
-                             grad_averager_class: type | None = None, guard_report: GuardReport | None = None,
-                             checked: bool = True):
-    """hivemind.Optimizer configured from the config tree (the one place its knobs are mapped).
-
-    Both averagers check their callers and what they receive (:mod:`geotrain.hive.guard.contributions`), the torch optimizer
-    checks each step (:mod:`geotrain.hive.guard.step`); refusals go to ``guard_report``.
-    ``grad_averager_class``: a GradientAverager subclass used as given, without the checks, and ``checked``
-    False: no checks at all (tests' hostile peers).
-    """
-    opt = config.optimizer
-    install_patches()  # before hivemind's averagers fork: they fork with them
-    report = guard_report if guard_report is not None else GuardReport(None)
-    admission = Admission(config.swarm.run_id, load_swarm_token(config.swarm), load_allowed_peer_ids(config.swarm))
-    grad_averager_options = {}
-    if grad_averager_class is None:
-        grad_averager_class = LocalGradientsKeepingAverager
-        if opt.grad_compression == "powersgd":  # (not with local updates or DiLoCo: OptimizerConfig._check_powersgd)
-
-            grad_averager_class = PowerSGDKeepingAverager
-            grad_averager_options = {"averager_rank": opt.powersgd_rank}
-        if checked:
-            grad_averager_class = guarded(grad_averager_class, admission, report, config)
-    diloco = opt.mode == "diloco"
-    state_averager_class = RecordingStateAverager
-    if diloco:  # (class attributes: the averager's process forks at construction and sees these)
-        state_averager_class = type("DiLoCoStateAverager", (OuterStateAverager, RecordingStateAverager),
-                                    {"min_inner_steps_for_norm_check": max(1.0, opt.diloco.inner_steps / 4),
-                                     "overlap_rounds": opt.diloco.overlap_rounds})
-    if checked:
-        state_averager_class = guarded(state_averager_class, admission, report, config)
-    if diloco:
-        optimizer_class = type("GuardedDiLoCoOptimizer", (diloco_optimizer_class(MeasuredOptimizer),), {
-            "state_averager_class": state_averager_class,
-            "samples_per_trainer_round": opt.diloco.inner_steps * opt.batch_size_per_step,
-            "guard_ban_s": config.guard.ban_s,
-            "pseudo_gradient_bytes": sum(p.numel() for p in model.parameters()) * BYTES_PER_VALUE[opt.grad_compression]})
-    else:
-        optimizer_class = type("GuardedMeasuredOptimizer", (MeasuredOptimizer,),
-                               {"state_averager_class": state_averager_class,
-                                "missed_round_check_s": max(1.0, opt.progress_refresh_s)})
-    # DiLoCo's inner steps apply this peer's own gradients (checked by the trainer); its check is on the
-    # averaged pseudo-gradient (geotrain.hive.optim.diloco)
-    step_guard = StepGuard(config.guard, report, peer_id=str(dht.peer_id)) if checked and not diloco else None
-    delayed = opt.delayed_parameter_updates
-    local_updates = opt.use_local_updates or diloco
-    # (local updates with delayed updates is refused by the config: OptimizerConfig._check_offload)
-    # hivemind forwards averager_opts to the state averager only; the gradient averager gets its own factory.
-    # With local updates there is no gradient averager, and hivemind refuses a factory for one.
-    grad_averager_factory = None if local_updates else partial(grad_averager_class,
-                                                               request_timeout=opt.request_timeout_s,
-                                                               target_group_size=opt.group_size,
-                                                               **grad_averager_options)
-    optimizer = optimizer_class(
-        dht=dht,
-        run_id=config.swarm.run_id,
-        target_batch_size=opt.target_batch_size,
-        batch_size_per_step=opt.batch_size_per_step,
-        optimizer=build_torch_optimizer_factory(config, step_guard),
-        params=model.parameters(),
-        scheduler=build_scheduler_factory(config),
-        # an fp32 copy of the parameters and the optimizer state in host (shared) memory: the GPU holds only
-        # the model and its gradients; needed for delayed updates, which step in the background
-        # ... but not with local updates: hivemind's offloaded optimizer steps on gradients that only gradient
-        # averaging puts there, so each local step would apply none (hivemind's own default is off there too)
-        offload_optimizer=opt.offload_optimizer and not local_updates,
-        matchmaking_time=opt.round_matchmaking_time_s,
-        averaging_timeout=opt.averaging_timeout_s,
-        load_state_timeout=opt.load_state_timeout_s,
-        # hivemind inverts a non-None client_mode into dht.client_mode; passing the same value keeps both equal
-        client_mode=config.swarm.client_mode,
-        delay_optimizer_step=delayed,
-        delay_grad_averaging=delayed,
-        use_local_updates=local_updates,
-        # DiLoCo: the outer round runs in the background with overlap_rounds, else it blocks; sync mode with
-        # local updates keeps hivemind's background averaging
-        delay_state_averaging=not diloco or opt.diloco.overlap_rounds,
-        average_state_every=1 if diloco else opt.average_state_every,
-        grad_compression=build_compression(opt.grad_compression),
-        grad_averager_factory=grad_averager_factory,
-        # a known group size ends matchmaking once the group is full (hivemind waits matchmaking_time otherwise)
-        averager_opts={"request_timeout": opt.request_timeout_s, "target_group_size": opt.group_size},
-        # a peer must notice soon that the swarm reached the target batch, or it runs on alone; the
-        # bound on the refresh period keeps that lag small next to an epoch
-        tracker_opts={"default_refresh_period": opt.progress_refresh_s,
-                      "min_refresh_period": min(0.5, opt.progress_refresh_s),
-                      "max_refresh_period": max(2.0, 4 * opt.progress_refresh_s),
-                      "metadata_expiration": opt.progress_expiration_s},
-        state_averaging_compression=build_compression(opt.grad_compression),
-        verbose=False,
-    )
-    optimizer.on_averaging_round = on_averaging_round
-    averager = getattr(optimizer, "grad_averager", None)
-    if step_guard is not None and isinstance(averager, LocalGradientsKeepingAverager):
-        step_guard.own_gradient_norm = averager.kept_gradients_norm
-    if diloco:
-        optimizer.state_averager.init_outer(opt.diloco.outer_learning_rate, opt.diloco.outer_momentum,
-                                            opt.diloco.nesterov)
-    if step_guard is not None:
-        optimizer.state_averager.step_guard = step_guard
-        step_guard.extra_tensors = list(optimizer.state_averager.extra_tensors)  # buffers: kept with the parameters
-    return optimizer
