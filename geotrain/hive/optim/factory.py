@@ -2,7 +2,7 @@
 are mapped (:func:`build_hivemind_optimizer`, used by trainers and by the coordinator, which holds the same state
 without ever stepping), and the torch optimizer, schedule and compression it steps and sends with.
 
-Which classes a peer runs (each defined, with its whole inheritance, in its own module):
+Which classes a peer runs (each a class statement in the module named, its bases in sight):
 
 =====================  ===========================================  ==========================================
 mode                   optimizer                                    state averager / gradient averager
