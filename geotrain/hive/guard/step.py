@@ -50,7 +50,7 @@ def reset_statistics(optimizer: torch.optim.Optimizer) -> None:
     Clearing the state instead broke two things. hivemind loads a downloaded state into the layout of the
     loader's own optimizer state, and a state without statistics does not fit one with them: the load is
     refused, quietly (seen in CI: a follower downloaded the final state from a finalizer that had just restored
-    its parameters, 60 times in 60 s, and never took it). And the averaged optimizer statistics are the state's
+    its parameters, 11 times in 60 s, and never took it). And the averaged optimizer statistics are the state's
     own tensors: new ones made by the next step would no longer be the ones averaged."""
     for state in optimizer.state.values():
         for key, value in state.items():

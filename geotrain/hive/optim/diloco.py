@@ -419,20 +419,17 @@ class DiLoCoOptimizer(MeasuredOptimizer):
     samples per trainer, the bytes a pseudo-gradient sends and how long a refused donor is banned, are set
     before hivemind's constructor makes the progress tracker."""
 
-    samples_per_trainer_round: int = 1
-    pseudo_gradient_bytes: int = 0  # compressed, as sent
     on_outer_round = None  # callable(result, duration_s, group_size, pseudo_gradient_norm, sent_bytes)
     blocking_communication_s = 0.0  # seconds of outer rounds and state loads so far (the rest of step() computes)
     _resync_from: str | None = None  # peer id of the round's majority whose outer state to load
     _round_in_flight: dict | None = None  # an overlapped round whose outer step has not landed yet
     on_outer_state_loaded = None  # callable(donor peer id or None: any, epoch of the state)
-    guard_ban_s: float = 600.0  # guard.ban_s
 
     def __init__(self, *args, samples_per_trainer_round: int = 1, pseudo_gradient_bytes: int = 0,
                  guard_ban_s: float = 600.0, **kwargs):
         self.samples_per_trainer_round = samples_per_trainer_round
-        self.pseudo_gradient_bytes = pseudo_gradient_bytes
-        self.guard_ban_s = guard_ban_s
+        self.pseudo_gradient_bytes = pseudo_gradient_bytes  # compressed, as sent
+        self.guard_ban_s = guard_ban_s  # guard.ban_s: how long a donor whose outer state was refused is banned
         super().__init__(*args, **kwargs)
 
     def _make_state_averager(self, **kwargs):

@@ -229,18 +229,15 @@ class MeasuredOptimizer(hivemind.Optimizer):
     """
 
     on_averaging_round = None  # callable(result, duration_s)
-    missed_round_check_s = 1.0  # how often a round looking for a group reads the swarm's progress
     swarm_step_poll_s = 0.2  # how often a load that waits for the swarm's step looks at hivemind's view of it
     catch_up_poll_s = 0.5  # how often a loaded peer that waits for the swarm's step reads the progress records
     _missed_round_of_epoch = None  # the epoch of a round given up because the swarm had stepped past it
     _round_being_used = None  # the StepControl whose results _average_gradients_and_load_into_optimizer uses
 
-    state_averager_class: type = RecordingStateAverager
-
     def __init__(self, *args, state_averager_class: type = RecordingStateAverager, missed_round_check_s: float = 1.0,
                  **kwargs):
         self.state_averager_class = state_averager_class
-        self.missed_round_check_s = missed_round_check_s
+        self.missed_round_check_s = missed_round_check_s  # how often a round looking for a group reads the progress
         super().__init__(*args, **kwargs)
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
