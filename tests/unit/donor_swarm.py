@@ -51,7 +51,9 @@ class Swarm:
         report = GuardReport(events_path)
         downloader_class = type("TestDownloader", (downloader_class or Downloader,), {"guard_report": report})
         downloader = self.averager(downloader_class, 0.0, priority=0.0, tensors=tensors, allow_state_sharing=False)
-        _wait_for_donors(self.first, len(donors))
+        # as the downloader's own DHT node sees them: another node's view may hold a donor this one does not yet
+        # (a full run once downloaded from one donor where the test asked for stripes from two)
+        _wait_for_donors(self.nodes[-1], len(donors))
         return made, downloader, report
 
     def shutdown(self):

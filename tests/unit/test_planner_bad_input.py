@@ -3,16 +3,17 @@ below every configuration, and the MILP solver's time limit."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from geotrain import cli
 from geotrain.planner import milp
 from geotrain.planner.__main__ import main
 from geotrain.errors import UserError
@@ -27,14 +28,19 @@ from geotrain.pricing.catalog import DEFAULT_CATALOG, Offer, load_catalog
 from geotrain.pricing.egress import load_egress
 from geotrain.pricing.errors import InputFileError
 
-ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = DEFAULT_CATALOG.read_text(encoding="utf-8")
 
 
 def run_plan(*args):
-    """`geotrain plan` as a user runs it, in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "geotrain", "plan", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    """`geotrain plan ARGS` through geotrain's command line, in this process (its process exit is checked in
+    tests/unit/test_planner_command.py)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = cli.main(["plan", *args], embedded=True)
+        except SystemExit as exited:  # argparse's refusals
+            code = exited.code
+    return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
 
 
 # -- encodings -------------------------------------------------------------------------------------

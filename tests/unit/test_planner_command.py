@@ -1,12 +1,18 @@
-"""`geotrain plan` and `geotrain profile` as a user runs them (through `python -m geotrain.planner`)."""
+"""`geotrain plan` and `geotrain profile` as a user runs them: once through ``python -m geotrain.planner`` (a
+process of its own), the others in this process through the same ``main`` (a profile from a run builds the
+run's model to count its parameters: a process per case would import torch each time)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import yaml
@@ -17,10 +23,21 @@ from geotrain.planner.profiles import load_profile
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args, env=None):
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+def run_process(*args):
     return subprocess.run([sys.executable, "-m", "geotrain.planner", *args], capture_output=True, text=True,
-                          env=environment, timeout=120)
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+
+
+def run_cli(*args, env=None):
+    """``python -m geotrain.planner ARGS`` in this process, with ``env`` added to the environment."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, env or {}), contextlib.redirect_stdout(stdout), \
+            contextlib.redirect_stderr(stderr):
+        try:
+            code = main(list(args))
+        except SystemExit as exited:  # argparse's refusals
+            code = exited.code
+    return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
 
 
 def test_planner_imports_neither_torch_nor_hivemind():
@@ -34,7 +51,7 @@ def test_planner_imports_neither_torch_nor_hivemind():
 
 def test_plan_prints_table_and_reason(tmp_path):
     out = tmp_path / "plan.json"
-    result = run_cli("plan", "--profile", "convnext_large", "--min-samples-per-second", "200", "--max-peers", "10",
+    result = run_process("plan", "--profile", "convnext_large", "--min-samples-per-second", "200", "--max-peers", "10",
                      "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert "$/1M samples" in result.stdout and "Why #1:" in result.stdout

@@ -130,7 +130,7 @@ def test_a_state_comes_in_stripes_from_two_donors_at_once(swarm, tmp_path):
     metadata, tensors = downloader.load_state_from_peers(timeout=60)
 
     values = _values(tensors)
-    assert set(values) == {3.0, 4.0}, f"not striped over both donors: {values}"
+    assert set(values) == {3.0, 4.0}, f"not striped over both donors: {values}; {read_events(events_path)}"
     stripes = _stripes_event(events_path)["stripes"]
     tensor_bytes = 4 * 4 * CHUNK
     assert stripes == {first.peer_id.to_base58(): values.count(3.0) * tensor_bytes,
