@@ -124,11 +124,13 @@ class ForkServer:
         return server
 
     def spawn(self, arguments: list[str], log_path: Path, env: dict[str, str] | None = None,
-              cwd: Path | None = None, append: bool = False) -> ForkedProcess:
+              cwd: Path | None = None, append: bool = False, stderr_path: Path | None = None) -> ForkedProcess:
         """``geotrain ARGUMENTS`` in a child writing stdout and stderr to ``log_path``; ``env``: its whole
-        environment (default: this process's); ``append``: to the log, not over it."""
+        environment (default: this process's); ``append``: to the log, not over it; ``stderr_path``: stderr
+        there instead (a file of its own, written over)."""
         request = {"arguments": list(arguments), "log_path": str(log_path), "append": append,
-                   "env": dict(os.environ if env is None else env), "cwd": str(cwd) if cwd else None}
+                   "env": dict(os.environ if env is None else env), "cwd": str(cwd) if cwd else None,
+                   "stderr_path": str(stderr_path) if stderr_path else None}
         pid = self._ask({"spawn": request})["pid"]
         return ForkedProcess(self, pid, ["geotrain", *arguments])
 
@@ -241,6 +243,10 @@ def _become_child(request: dict, closing: list[int], import_time_locks: list[tup
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    if request.get("stderr_path"):
+        errors = os.open(request["stderr_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(errors, 2)
+        os.close(errors)
     os.environ.clear()
     os.environ.update(request["env"])
     if request["cwd"]:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,10 +25,28 @@ FAST_SWARM = ["--task", "cv", "--preset", "tiny", "--target-batch-size", "1024",
 IDLE_SWARM = ["--task", "emulated", "--preset", "tiny", "--target-batch-size", "1024", "--batch-size", "32"]
 
 
-def geotrain(*arguments: str, timeout_s: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run one geotrain command to its end, as a user would."""
-    return subprocess.run([sys.executable, "-m", "geotrain", *arguments], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=cwd, stdin=subprocess.DEVNULL)
+def geotrain(*arguments: str, timeout_s: float = 300, cwd: Path | None = None,
+             fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run one geotrain command to its end, as a user would: its exit code, stdout and stderr.
+
+    Forked by the session's fork server (see :func:`spawn`: what the child runs is ``python -m geotrain``'s
+    command line, without paying 2-4 s of imports per command), or with ``fresh`` a new Python: for `geotrain
+    local` (it starts a fork server of its own) and for the one check that a real command line exits so."""
+    if fresh:
+        return subprocess.run([sys.executable, "-m", "geotrain", *arguments], capture_output=True, text=True,
+                              timeout=timeout_s, cwd=cwd, stdin=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="geotrain-command-") as directory:
+        stdout_path, stderr_path = Path(directory) / "stdout", Path(directory) / "stderr"
+        process = _fork_server().spawn(list(arguments), log_path=stdout_path, stderr_path=stderr_path, cwd=cwd)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
+        return subprocess.CompletedProcess(["geotrain", *arguments], process.returncode,
+                                           stdout_path.read_text(errors="replace"),
+                                           stderr_path.read_text(errors="replace"))
 
 
 def spawn(*arguments: str, log_path: Path, env: dict[str, str] | None = None,
@@ -165,7 +184,7 @@ def agreement_report(summary: dict) -> str:
 def run_local(directory: Path, *arguments: str, timeout_s: float = 400) -> tuple[dict, subprocess.CompletedProcess]:
     summary_path = directory / "summary.json"
     result = geotrain("local", "--run-dir", str(directory / "run"), "--json", str(summary_path), *arguments,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, fresh=True)
     assert summary_path.exists(), f"no summary written:\n{result.stdout}\n{result.stderr}"
     assert not processes_mentioning(str(directory)), "a peer process outlived `geotrain local`"
     return json.loads(summary_path.read_text()), result

@@ -25,7 +25,7 @@ def test_a_malformed_config_ends_the_process_with_exit_2_and_one_line(tmp_path):
     """End to end, once: what tests/unit/test_cli_refusals.py checks in-process gives a real process exit 2."""
     config = tmp_path / "config.yaml"
     config.write_text("optimizer:\n  target_batch_sise: 4096\n")
-    result = geotrain("peer", "--config", str(config), timeout_s=60)
+    result = geotrain("peer", "--config", str(config), timeout_s=60, fresh=True)
     assert result.returncode == BAD_INPUT
     assert "optimizer.target_batch_sise: unknown key" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
