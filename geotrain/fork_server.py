@@ -198,6 +198,16 @@ def _reap(codes: dict[int, int]) -> None:
         codes[pid] = os.waitstatus_to_exitcode(status)
 
 
+def _import_what_an_optimizer_imports() -> None:
+    """Every peer and coordinator builds a torch optimizer, and torch imports its compiler (torch._dynamo, with
+    sympy) the first time one is built: about 2 CPU-seconds a process, measured with torch 2.14 on this suite's
+    machine, that a child of this server would otherwise pay while its swarm waits for it. A throwaway
+    optimizer imports it here, once (it starts no thread)."""
+    import torch
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
 def find_import_time_locks() -> list[tuple[object, str]]:
     """(module or class, attribute) of every multiprocessing Lock and RLock that loaded modules made at import
     (hivemind's MPFuture update and initialization locks, its SharedBytes and executor locks, ...)."""
@@ -207,8 +217,10 @@ def find_import_time_locks() -> list[tuple[object, str]]:
             contents = dict(vars(module))
         except TypeError:
             continue
-        namespaces = [module] + [value for value in contents.values()
-                                 if isinstance(value, type) and value.__module__ == module.__name__]
+        with warnings.catch_warnings():  # deprecated module attributes warn when read (torch.distributed's)
+            warnings.simplefilter("ignore")
+            namespaces = [module] + [value for value in contents.values()
+                                     if isinstance(value, type) and value.__module__ == module.__name__]
         for namespace in namespaces:
             for name, value in list(vars(namespace).items()):
                 if type(value) in (multiprocessing.synchronize.Lock, multiprocessing.synchronize.RLock):
@@ -271,6 +283,7 @@ def serve(connection_fd: int) -> list[str] | None:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # as geotrain's CLI sets it; --log-level DEBUG resets it
     for name in PRELOADED_MODULES:
         importlib.import_module(name)
+    _import_what_an_optimizer_imports()
     import_time_locks = find_import_time_locks()
     _set_command_line([sys.executable, "-m", "geotrain.fork_server", *sys.argv[1:2]])
     connection = socket.socket(fileno=connection_fd)
