@@ -9,7 +9,7 @@ EPOCHS = 3
 
 def test_two_trainers_in_bf16_end_equal_with_a_falling_loss(tmp_path):
     summary, result = run_local(tmp_path, "--peers", "2", "--epochs", str(EPOCHS), "--task", "cv", "--preset", "tiny",
-                                "--target-batch-size", "256", "--batch-size", "32", "--lr", "0.01",
+                                "--target-batch-size", "128", "--batch-size", "32", "--lr", "0.01",
                                 "--precision", "bf16", "--data-workers", "0")
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     assert summary["epochs_completed"] == EPOCHS

@@ -31,7 +31,6 @@ from hivemind.utils.mpfuture import MPFuture
 from geotrain.config import load_config
 from geotrain.hive.dht.keys import progress_key, read_progress, swarm_epoch_and_trainers
 from geotrain.hive.optim.leave import withdraw_from_rounds
-from geotrain.hive.state.finalize import end_state_rounds
 from geotrain.hive.averaging.missed_round import READ_TIMEOUT_S, dht_is_running, reason_to_give_up, watch_round
 from optimizer_pair import optimizer_pair
 from waiting import wait_until
@@ -248,27 +247,6 @@ def test_a_leaving_peer_gives_up_its_state_round_and_begins_no_later_one_so_its_
     finish_delayed_updates(state_averager)
     assert rounds_begun == [], "a state round was begun after the stop request"
     assert state_averager.local_epoch == 2
-
-
-def test_at_the_end_of_a_run_a_state_round_no_other_trainer_joins_is_given_up_not_waited_for(trainers):
-    # seen at the end of every two-trainer run without gradient compression: one trainer's state round of the
-    # last epoch looked for a group the other (already in the agreement) never joined, and hivemind's wait for
-    # it lasted the round's timeout, 10 s on loopback, 600 s between continents
-    _, (model, optimizer) = trainers
-    state_averager = optimizer.state_averager
-    backward(model)
-    state_averager.step(increment_epoch=True, optimizer_step=True, averaging_round=True, delay_averaging=True,
-                        averaging_opts=dict(timeout=120))
-    time.sleep(2 * state_averager.missed_round_check_s)
-    assert state_averager.pending_updates, "the state round ended before the run did"
-
-    ending = threading.Thread(target=lambda: outcome.append(end_state_rounds(optimizer)), daemon=True)
-    outcome = []
-    ending.start()
-    ending.join(60)  # well within the round's own timeout
-    assert outcome == ["state round: cancelled while looking for group"], "the end of the run waited for the round"
-    finish_delayed_updates(state_averager)
-    assert state_averager.local_epoch == 1  # the step itself was taken
 
 
 def finish_delayed_updates(state_averager) -> None:

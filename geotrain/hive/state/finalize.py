@@ -125,22 +125,6 @@ def agreement_timeout_s(optimizer, timeout_s: float) -> float:
     return min(MAX_AGREEMENT_S, max(timeout_s, 2 * transfer_s))
 
 
-def end_state_rounds(optimizer) -> str | None:
-    """The run is over: the state round hivemind runs in the background is given up while it still looks for a
-    group (:meth:`~geotrain.hive.optim.optimizer.RecordingStateAverager.leave_rounds`; the agreement makes every
-    trainer's parameters equal anyway), then the background step is waited for; one that ends later and is
-    applied at shutdown cannot undo a state this peer loads in the agreement (RecordingStateAverager).
-    hivemind's wait alone lasts until the round's timeout when no other trainer joins it: seen at the end of
-    every two-trainer run without gradient compression, 10 s on loopback (the timeout is 600 s between
-    continents), while the other trainer, already in the agreement, waited for this one. Says what it gave up."""
-    leave_rounds = getattr(optimizer.state_averager, "leave_rounds", None)
-    outcome = leave_rounds() if leave_rounds is not None else None
-    if outcome is not None:
-        logger.info("the run is over: %s", outcome)
-    optimizer.state_averager.step(wait_for_delayed_updates=True)
-    return outcome
-
-
 def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_mode: bool,
                          timeout_s: float, guard_report=None, region: str | None = None) -> tuple[str, bool]:
     """Make this peer's parameters equal the finalizer's. Returns (parameters sha256, agreed).
@@ -152,7 +136,9 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
     peer_id = str(dht.peer_id)
     timeout_s = agreement_timeout_s(optimizer, timeout_s)
     expected_peers = optimizer.tracker.global_progress.num_peers  # trainers the swarm counted in the last epoch
-    end_state_rounds(optimizer)
+    # (hivemind waits for a background state round up to the all-reduce timeout; one that ends later and is
+    # applied at shutdown cannot undo a state this peer loads below: RecordingStateAverager)
+    optimizer.state_averager.step(wait_for_delayed_updates=True)
     _store(dht, run_id, peer_id, {"role": "candidate", "sha256": parameters_sha256(model), "epoch": epoch,
                                   "client_mode": client_mode, "region": region}, timeout_s)
 
