@@ -2,8 +2,9 @@
 put together into the state's metadata and whole tensors.
 
 Both downloads read this way: the whole state from one donor (:func:`geotrain.hive.state.donors.fetch_from`,
-hivemind's ``rpc_download_state``) and a stripe of it from one of several (:func:`geotrain.hive.state.stripes.fetch_part`,
-geotrain's ``rpc_download_state_part``). A tensor comes as parts; a part that names a dtype begins a new tensor.
+hivemind's ``rpc_download_state``) and a stripe of it from one of several
+(:func:`geotrain.hive.state.stripes.fetch_part`, geotrain's ``rpc_download_state_part``). A tensor comes as
+parts; a part that names a dtype begins a new tensor.
 """
 
 from __future__ import annotations
