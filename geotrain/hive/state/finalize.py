@@ -45,6 +45,11 @@ def _store(dht, run_id: str, peer_id: str, value: dict, timeout_s: float) -> Non
     dht.store(final_key(run_id), subkey=peer_id, value=value, expiration_time=get_dht_time() + 2 * timeout_s)
 
 
+def _downloads_ok(guard_report) -> int:
+    """How many state downloads of this peer have ended well so far (0 without a report)."""
+    return guard_report.downloads.snapshot()["attempts"]["ok"] if guard_report is not None else 0
+
+
 def _holders(records: dict[str, dict], finalizer: str, sha256: str) -> set[str]:
     """The finalizer and the followers that already took its state."""
     return {finalizer} | {pid for pid, r in records.items() if r.get("role") == "synced" and r["sha256"] == sha256}
@@ -220,6 +225,7 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
         if not regional and not goes_across and time.monotonic() < cross_after:
             time.sleep(POLL_S)  # a peer of this region is taking it across; take it from that peer
             continue
+        downloaded_before = _downloads_ok(guard_report)
         try:
             remaining_s = max(1.0, deadline - time.monotonic())
             if guard_report is not None:
@@ -243,6 +249,9 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
                 _wait_for_followers(dht, run_id, peer_id, sha256, epoch, set(candidates), expected_peers, banned,
                                     deadline, time.monotonic() + settle_s, finalizer=finalizer)
             return sha256, True
+        if _downloads_ok(guard_report) > downloaded_before:  # hivemind refuses some states quietly: say it here
+            logger.info("a state was downloaded, but this peer's parameters hash to %s, not to the final state's %s;"
+                        " retrying", sha256[:16], target["sha256"][:16])
         time.sleep(POLL_S)
     logger.warning("could not take the final state from %s within %.0f s; keeping own parameters",
                    finalizer, timeout_s)
