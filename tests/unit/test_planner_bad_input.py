@@ -3,17 +3,13 @@ below every configuration, and the MILP solver's time limit."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import random
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from geotrain import cli
 from geotrain.planner import milp
 from geotrain.planner.__main__ import main
 from geotrain.errors import UserError
@@ -31,38 +27,26 @@ from geotrain.pricing.errors import InputFileError
 SHIPPED = DEFAULT_CATALOG.read_text(encoding="utf-8")
 
 
-def run_plan(*args):
-    """`geotrain plan ARGS` through geotrain's command line, in this process (its process exit is checked in
-    tests/unit/test_planner_command.py)."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            code = cli.main(["plan", *args], embedded=True)
-        except SystemExit as exited:  # argparse's refusals
-            code = exited.code
-    return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
-
-
 # -- encodings -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
-def test_utf16_without_bom_is_named_through_the_cli(tmp_path, encoding):
+def test_utf16_without_bom_is_named_through_the_cli(tmp_path, encoding, run_cli):
     catalog = tmp_path / "instances.csv"
     catalog.write_bytes(SHIPPED.encode(encoding))
-    result = run_plan("--profile", "convnext_large", "--catalog", str(catalog))
+    result = run_cli("plan", "--profile", "convnext_large", "--catalog", str(catalog))
     assert result.returncode == 2, result.stderr
     assert f"geotrain plan: {catalog}: the file is UTF-16" in result.stderr
     assert 'save it as UTF-8 (in Excel: "CSV UTF-8 (comma delimited)")' in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_utf16_with_bom_and_utf8_with_bom_are_read_by_plan(tmp_path):
+def test_utf16_with_bom_and_utf8_with_bom_are_read_by_plan(tmp_path, run_cli):
     utf16 = tmp_path / "unicode.csv"
     utf16.write_bytes(SHIPPED.encode("utf-16"))  # BOM FF FE, as Windows PowerShell's `>` writes
     assert utf16.read_bytes()[:2] == b"\xff\xfe"
     utf8 = tmp_path / "excel.csv"
     utf8.write_bytes(b"\xef\xbb\xbf" + SHIPPED.replace("\n", "\r\n").encode("utf-8"))  # Excel's "CSV UTF-8"
-    result = run_plan("--profile", "convnext_large", "--max-peers", "2", "--catalog", str(utf16))
+    result = run_cli("plan", "--profile", "convnext_large", "--max-peers", "2", "--catalog", str(utf16))
     assert result.returncode == 0, result.stderr
     assert "Why #1:" in result.stdout and "Traceback" not in result.stderr
     assert main(["plan", "--profile", "convnext_large", "--max-peers", "2", "--catalog", str(utf8)]) == 0
@@ -105,8 +89,8 @@ def test_other_encodings_name_the_file_and_how_to_save_it(tmp_path, data, expect
 
 # -- a budget below every configuration ------------------------------------------------------------
 
-def test_budget_below_every_configuration_gives_the_cheapest_cost(capsys):
-    result = run_plan("--profile", "convnext_large", "--budget-usd-per-hour", "0.01")
+def test_budget_below_every_configuration_gives_the_cheapest_cost(capsys, run_cli):
+    result = run_cli("plan", "--profile", "convnext_large", "--budget-usd-per-hour", "0.01")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "--max-peers" not in result.stderr
     found = re.search(r"no configuration fits the budget \(--budget-usd-per-hour 0.01\): the cheapest one, "
@@ -161,11 +145,11 @@ QUOTA_ARGS = ["--profile", "convnext_large", "--regions", "us-central1,europe-we
               "--quota", "europe-west4=2", "--max-peers", "4", "--min-samples-per-second", "120"]
 
 
-def test_time_limit_without_a_solution_is_not_called_infeasible(capsys):
+def test_time_limit_without_a_solution_is_not_called_infeasible(capsys, run_cli):
     # Only a MILP finds this plan (no VM type alone reaches 120 samples/s within the quotas).
     assert main(["plan", *QUOTA_ARGS]) == 0
     assert "2x gc/europe-west4 t4-vm spot + 2x gc/us-central1 t4-vm spot" in capsys.readouterr().out
-    result = run_plan(*QUOTA_ARGS, "--solver-time-limit", "1e-9")
+    result = run_cli("plan", *QUOTA_ARGS, "--solver-time-limit", "1e-9")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert re.fullmatch(r"geotrain plan: the solver's time limit was reached: HiGHS stopped (\d+) of \1 MILPs at "
                         r"--solver-time-limit 1e-09 s, \1 of them before finding any solution; no configuration was "
@@ -178,8 +162,8 @@ def test_time_limit_without_a_solution_is_not_called_infeasible(capsys):
     assert "--min-samples-per-second 200 is out of reach" in capsys.readouterr().err
 
 
-def test_time_limit_is_its_own_error_naming_the_best_plan_found_so_far():
-    result = run_plan("--profile", "convnext_large", "--max-peers", "4", "--solver-time-limit", "1e-9")
+def test_time_limit_is_its_own_error_naming_the_best_plan_found_so_far(run_cli):
+    result = run_cli("plan", "--profile", "convnext_large", "--max-peers", "4", "--solver-time-limit", "1e-9")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1, result.stderr  # one line
     found = re.fullmatch(r"geotrain plan: the solver's time limit was reached: HiGHS stopped (\d+) of (\d+) MILPs at "

@@ -51,8 +51,8 @@ def test_planner_imports_neither_torch_nor_hivemind():
 
 def test_plan_prints_table_and_reason(tmp_path):
     out = tmp_path / "plan.json"
-    result = run_process("plan", "--profile", "convnext_large", "--min-samples-per-second", "200", "--max-peers", "10",
-                     "--json", str(out))
+    result = run_process("plan", "--profile", "convnext_large", "--min-samples-per-second", "200", "--max-peers",
+                         "10", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert "$/1M samples" in result.stdout and "Why #1:" in result.stdout
     data = json.loads(out.read_text())
