@@ -76,7 +76,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_STATE_AVERAGER, "_apply_averaging_results_", OVERRIDE, ("self",),
              "keep this peer's parameters when a state round returns non-finite values; DiLoCo's outer step"),
     Internal(_STATE_AVERAGER, "_apply_optimizer_parameters_", OVERRIDE, ("self",),
-             "put the last good parameters back over non-finite ones averaged in place (offloaded optimizer)"),
+             "put the last good parameters back over non-finite ones averaged in place (offloaded optimizer); "
+             "make the model the state a peer serves before the end-of-run agreement hashes it (finalize)"),
     Internal(_STATE_AVERAGER, "_load_local_tensors_into_averager_", OVERRIDE, ("self",),
              "after a download, drop a background round's delta that the loaded state supersedes; DiLoCo"),
     Internal(_STATE_AVERAGER, "_local_tensors", CALL, ("self",), "DiLoCo's local parameters at a round's boundary"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 from hivemind.utils import get_dht_time
 
 from geotrain.hive.dht.keys import final_key, read_progress, read_subkeys
@@ -122,6 +123,34 @@ def not_heard_from(progress_epochs: dict[str, int], records: dict[str, dict], ca
             if peer_epoch == epoch and pid not in excluded and pid not in candidates and pid not in synced}
 
 
+def settle_background_rounds(averager, timeout_s: float) -> bool:
+    """Let the state averaging round hivemind runs in the background end, apply its result, and make the model's
+    parameters equal the state this peer serves. Whether no round is left running (at most ``timeout_s``).
+
+    hivemind serves its optimizer's copy of the parameters (``offload_optimizer``), and a background round
+    averages into that copy in place; its own wait for delayed updates gives up after the all-reduce timeout and
+    leaves such a round running. A round that ended after this peer hashed its model changed what it serves and
+    not the hash: seen at the end of a run, the finalizer announced one hash while every follower's downloads
+    hashed to another, stable one for the whole minute of the agreement. (A round that ends later on a follower
+    cannot undo the state it loads: RecordingStateAverager.)
+    """
+    deadline = time.monotonic() + timeout_s
+    for update in list(averager.pending_updates):
+        try:
+            update.result(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # a failed or timed-out round leaves the parameters as they were; hivemind logs it
+            pass
+    averager.step(wait_for_delayed_updates=True)  # applies a finished round's result
+    running = any(not update.done() for update in averager.pending_updates)
+    if running:
+        logger.warning("a state averaging round still runs after %.0f s; the final state may change under it",
+                       timeout_s)
+    if averager.offload_optimizer:
+        with torch.no_grad(), averager.lock_averaged_tensors:
+            averager._apply_optimizer_parameters_()
+    return not running
+
+
 def agreement_timeout_s(optimizer, timeout_s: float) -> float:
     """``timeout_s``, or two state transfers at the minimum download rate when that is longer (at most
     MAX_AGREEMENT_S: the agreement's records must not outlive the DHT's one-hour limit)."""
@@ -141,9 +170,7 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
     peer_id = str(dht.peer_id)
     timeout_s = agreement_timeout_s(optimizer, timeout_s)
     expected_peers = optimizer.tracker.global_progress.num_peers  # trainers the swarm counted in the last epoch
-    # (hivemind waits for a background state round up to the all-reduce timeout; one that ends later and is
-    # applied at shutdown cannot undo a state this peer loads below: RecordingStateAverager)
-    optimizer.state_averager.step(wait_for_delayed_updates=True)
+    settle_background_rounds(optimizer.state_averager, timeout_s)
     _store(dht, run_id, peer_id, {"role": "candidate", "sha256": parameters_sha256(model), "epoch": epoch,
                                   "client_mode": client_mode, "region": region}, timeout_s)
 
