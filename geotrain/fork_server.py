@@ -124,15 +124,18 @@ class ForkServer:
         return server
 
     def spawn(self, arguments: list[str], log_path: Path, env: dict[str, str] | None = None,
-              cwd: Path | None = None, append: bool = False, stderr_path: Path | None = None) -> ForkedProcess:
+              cwd: Path | None = None, append: bool = False, stderr_path: Path | None = None,
+              script: Path | None = None) -> ForkedProcess:
         """``geotrain ARGUMENTS`` in a child writing stdout and stderr to ``log_path``; ``env``: its whole
         environment (default: this process's); ``append``: to the log, not over it; ``stderr_path``: stderr
-        there instead (a file of its own, written over)."""
+        there instead (a file of its own, written over); ``script``: ``python SCRIPT ARGUMENTS`` instead (a
+        program that imports torch or hivemind too, such as a test's helper peer)."""
         request = {"arguments": list(arguments), "log_path": str(log_path), "append": append,
                    "env": dict(os.environ if env is None else env), "cwd": str(cwd) if cwd else None,
-                   "stderr_path": str(stderr_path) if stderr_path else None}
+                   "stderr_path": str(stderr_path) if stderr_path else None,
+                   "script": str(Path(script).resolve()) if script else None}
         pid = self._ask({"spawn": request})["pid"]
-        return ForkedProcess(self, pid, ["geotrain", *arguments])
+        return ForkedProcess(self, pid, [str(script)] if script else ["geotrain", *arguments])
 
     def returncode_of(self, pid: int) -> int | None:
         return self._ask({"poll": pid})["returncode"]
@@ -236,8 +239,9 @@ def renew_import_time_locks(locations: list[tuple[object, str]]) -> None:
         setattr(namespace, name, type(getattr(namespace, name))(ctx=multiprocessing.get_context()))
 
 
-def _become_child(request: dict, closing: list[int], import_time_locks: list[tuple[object, str]]) -> list[str]:
-    """In the forked child: the session, files, environment and signals ``python -m geotrain`` would have."""
+def _become_child(request: dict, closing: list[int], import_time_locks: list[tuple[object, str]]) -> dict:
+    """In the forked child: the session, files, environment and signals ``python -m geotrain`` (or ``python
+    SCRIPT``) would have. Returns the request."""
     for fd in closing:
         os.close(fd)
     signal.set_wakeup_fd(-1)
@@ -263,9 +267,14 @@ def _become_child(request: dict, closing: list[int], import_time_locks: list[tup
     os.environ.update(request["env"])
     if request["cwd"]:
         os.chdir(request["cwd"])
-    arguments = request["arguments"]
-    _set_command_line([sys.executable, "-m", "geotrain", *arguments])
-    sys.argv = [sys.argv[0], *arguments]  # argv[0] is set by runpy, as by `python -m geotrain`
+    arguments, script = request["arguments"], request.get("script")
+    if script:
+        _set_command_line([sys.executable, script, *arguments])
+        sys.argv = [script, *arguments]
+        sys.path[0] = os.path.dirname(script)  # as for `python SCRIPT`: its folder first
+    else:
+        _set_command_line([sys.executable, "-m", "geotrain", *arguments])
+        sys.argv = [sys.argv[0], *arguments]  # argv[0] is set by runpy, as by `python -m geotrain`
     # as a fresh interpreter would: torch sizes its thread pool from OMP_NUM_THREADS, numpy seeds from the OS
     # (Python's own random module reseeds itself after a fork)
     import numpy
@@ -274,11 +283,11 @@ def _become_child(request: dict, closing: list[int], import_time_locks: list[tup
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     numpy.random.seed()
-    return arguments
+    return request
 
 
-def serve(connection_fd: int) -> list[str] | None:
-    """Answer requests until the parent closes the connection (None); in each forked child, its arguments."""
+def serve(connection_fd: int) -> dict | None:
+    """Answer requests until the parent closes the connection (None); in each forked child, its request."""
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # as geotrain's CLI sets it; --log-level DEBUG resets it
     for name in PRELOADED_MODULES:
@@ -325,7 +334,10 @@ def serve(connection_fd: int) -> list[str] | None:
 
 
 if __name__ == "__main__":
-    _arguments = serve(int(os.environ.pop(SERVER_FD_VARIABLE)))
-    if _arguments is None:
+    _request = serve(int(os.environ.pop(SERVER_FD_VARIABLE)))
+    if _request is None:
         os._exit(0)  # nothing to flush; torch's and hivemind's teardown would take most of a second
-    runpy.run_module("geotrain", run_name="__main__", alter_sys=True)  # what `python -m geotrain` runs
+    if _request.get("script"):
+        runpy.run_path(_request["script"], run_name="__main__")  # what `python SCRIPT` runs
+    else:
+        runpy.run_module("geotrain", run_name="__main__", alter_sys=True)  # what `python -m geotrain` runs

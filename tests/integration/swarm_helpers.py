@@ -35,31 +35,43 @@ def geotrain(*arguments: str, timeout_s: float = 300, cwd: Path | None = None,
     if fresh:
         return subprocess.run([sys.executable, "-m", "geotrain", *arguments], capture_output=True, text=True,
                               timeout=timeout_s, cwd=cwd, stdin=subprocess.DEVNULL)
+    return _run_forked(list(arguments), timeout_s, cwd)
+
+
+def run_script(script: Path, *arguments: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGUMENTS`` to its end (a helper program of the tests, such as an attacker that joins
+    the swarm), forked by the session's fork server: torch and hivemind are imported already."""
+    return _run_forked(list(arguments), timeout_s, None, script=script)
+
+
+def _run_forked(arguments: list[str], timeout_s: float, cwd: Path | None,
+                script: Path | None = None) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="geotrain-command-") as directory:
         stdout_path, stderr_path = Path(directory) / "stdout", Path(directory) / "stderr"
-        process = _fork_server().spawn(list(arguments), log_path=stdout_path, stderr_path=stderr_path, cwd=cwd)
+        process = _fork_server().spawn(arguments, log_path=stdout_path, stderr_path=stderr_path, cwd=cwd,
+                                       script=script)
         try:
             process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             raise
-        return subprocess.CompletedProcess(["geotrain", *arguments], process.returncode,
-                                           stdout_path.read_text(errors="replace"),
+        return subprocess.CompletedProcess(process.args + arguments if script else process.args,
+                                           process.returncode, stdout_path.read_text(errors="replace"),
                                            stderr_path.read_text(errors="replace"))
 
 
 def spawn(*arguments: str, log_path: Path, env: dict[str, str] | None = None,
-          whole_env: dict[str, str] | None = None) -> ForkedProcess:
+          whole_env: dict[str, str] | None = None, script: Path | None = None) -> ForkedProcess:
     """A geotrain process in a session of its own (``os.killpg(process.pid, ...)`` reaches all of its children);
     ``env``: variables added to this process's environment, ``whole_env``: its environment instead.
 
     Forked by the session's fork server (geotrain.fork_server, as `geotrain local` starts its peers), which has
     imported torch and hivemind once for all of them: a peer's start costs a fork, not 2.4 CPU-s of imports. The
     process runs the CLI as ``python -m geotrain`` would, and its command line in /proc says so
-    (tests/integration/test_fork_server.py checks both)."""
+    (tests/integration/test_fork_server.py checks both). ``script``: ``python SCRIPT ARGUMENTS`` instead."""
     log_path.write_text("")  # there before the child opens it, as with subprocess.Popen
-    return _fork_server().spawn(list(arguments), log_path=log_path, append=True,
+    return _fork_server().spawn(list(arguments), log_path=log_path, append=True, script=script,
                                 env=whole_env if whole_env is not None else {**os.environ, **(env or {})})
 
 

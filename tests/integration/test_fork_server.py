@@ -55,6 +55,26 @@ def test_a_forked_peer_has_its_command_line_session_and_directory(server, tmp_pa
             os.killpg(process.pid, signal.SIGKILL)
 
 
+SCRIPT = """import os, sys
+import helper_beside_the_script
+print(sys.argv[1:], helper_beside_the_script.NAME, os.getcwd())
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_forked_script_runs_as_python_script_would(server, tmp_path):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    (tmp_path / "helper_beside_the_script.py").write_text("NAME = 'found'\n")
+    log, elsewhere = tmp_path / "script.log", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    process = server.spawn(["3", "a b"], log_path=log, script=tmp_path / "script.py", cwd=elsewhere)
+    assert process.wait(timeout=60) == 3
+    fresh = subprocess.run([sys.executable, str(tmp_path / "script.py"), "3", "a b"], capture_output=True, text=True,
+                           timeout=60, cwd=elsewhere)
+    assert fresh.returncode == 3 and log.read_text() == fresh.stdout + fresh.stderr
+    assert log.read_text() == f"['3', 'a b'] found {elsewhere}\n"
+
+
 def test_a_killed_child_reports_its_signal_and_one_left_by_a_dead_server_gets_sigterm(tmp_path):
     server = ForkServer.start(label="test-fork-server-dies")
     try:

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 from geotrain.events import read_events
-from swarm_helpers import FAST_SWARM, wait_for
+from swarm_helpers import FAST_SWARM, spawn, wait_for
 
 HOSTILE_SCRIPT = Path(__file__).with_name("hostile_peer.py")
 # mode of a hostile peer -> the reason an honest peer gives when it refuses that peer's contribution
@@ -38,16 +37,15 @@ COMMON = [*FAST_SWARM, "--lr", str(LEARNING_RATE), "--wait-for-peers", str(HONES
 GUARD_EVENTS = ("contribution_refused", "request_refused", "step_skipped", "microstep_skipped")
 
 
-def start_hostile(swarm, mode: str, data_seed: int) -> subprocess.Popen:
-    """A hostile peer in a session of its own, stopped with the swarm (its command line names the test's dir)."""
+def start_hostile(swarm, mode: str, data_seed: int):
+    """A hostile peer in a session of its own, stopped with the swarm (its command line names the test's dir);
+    forked by the session's fork server, as the trainers are."""
     name = f"hostile-{mode}"
-    command = [sys.executable, str(HOSTILE_SCRIPT), "--mode", mode, "--events", str(swarm.directory / f"{name}.jsonl"),
-               "--threads", "1", "--network-profile", "loopback", *COMMON, "--data-seed", str(data_seed)]
+    arguments = ["--mode", mode, "--events", str(swarm.directory / f"{name}.jsonl"), "--threads", "1",
+                 "--network-profile", "loopback", *COMMON, "--data-seed", str(data_seed)]
     for address in swarm.initial_peers:
-        command += ["--initial-peers", address]
-    with open(swarm.directory / f"{name}.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
+        arguments += ["--initial-peers", address]
+    process = spawn(*arguments, log_path=swarm.directory / f"{name}.log", script=HOSTILE_SCRIPT)
     swarm.processes.append(process)
     return process
 

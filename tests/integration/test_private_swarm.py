@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from geotrain.events import read_events
-from swarm_helpers import IDLE_SWARM, Swarm, geotrain, last_epoch, wait_for
+from swarm_helpers import IDLE_SWARM, Swarm, geotrain, last_epoch, run_script, wait_for
 
 OUTSIDER = Path(__file__).parent / "outsider.py"
 
@@ -46,8 +44,7 @@ def test_an_outsider_without_the_token_gets_nothing_from_a_private_swarm(private
     events = [path for _, path in trainers]
     wait_for(lambda: all(last_epoch(path) >= 1 for path in events), 180, "the members' first epoch")
 
-    result = subprocess.run([sys.executable, str(OUTSIDER), "geotrain", listen_address(swarm.log("trainer-0"))],
-                            capture_output=True, text=True, timeout=120)
+    result = run_script(OUTSIDER, "geotrain", listen_address(swarm.log("trainer-0")), timeout_s=120)
     assert result.returncode == 0, result.stderr
     outsider = json.loads(result.stdout.strip().splitlines()[-1])
     assert outsider["join_group"] == "PROTOCOL_VIOLATION", outsider

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 
 from geotrain.events import read_events
 from geotrain.ports import free_ports
-from swarm_helpers import IDLE_SWARM, Swarm, geotrain, processes_mentioning, wait_for
+from swarm_helpers import IDLE_SWARM, Swarm, geotrain, processes_mentioning, run_script, wait_for
 
 RUN_ID = "metrics-test"
 # every peer publishes each second; `geotrain status --once` given the same waits one period for a second look
@@ -126,8 +124,7 @@ def test_status_lists_every_peer_from_the_dht(two_region_swarm):
 def test_forged_overwritten_and_malformed_records_are_refused(two_region_swarm):
     swarm, ports, directory = two_region_swarm
     victim = next(e["peer_id"] for e in read_events(directory / "us.jsonl") if e["event"] == "joined")
-    attack = subprocess.run([sys.executable, str(ATTACKER), RUN_ID, victim, *swarm.initial_peers],
-                            capture_output=True, text=True, timeout=120)
+    attack = run_script(ATTACKER, RUN_ID, victim, *swarm.initial_peers, timeout_s=120)
     assert attack.returncode == 0, attack.stderr
     outcome = json.loads(attack.stdout.splitlines()[-1])
     assert outcome["overwrite_accepted"] is False
@@ -163,8 +160,7 @@ def test_a_flood_of_metric_records_grows_no_memory_and_the_trainers_records_stil
         return {row["region"]: row["epoch"] for row in rows if row["region"] in ("us", "eu")}
 
     before = trainer_epochs()
-    attack = subprocess.run([sys.executable, str(ATTACKER), "flood", RUN_ID, str(fresh), str(rewrites),
-                             *swarm.initial_peers], capture_output=True, text=True, timeout=240)
+    attack = run_script(ATTACKER, "flood", RUN_ID, str(fresh), str(rewrites), *swarm.initial_peers, timeout_s=240)
     assert attack.returncode == 0, attack.stderr
     outcome = json.loads(attack.stdout.splitlines()[-1])
 

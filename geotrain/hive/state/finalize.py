@@ -124,8 +124,13 @@ def not_heard_from(progress_epochs: dict[str, int], records: dict[str, dict], ca
 
 
 def settle_background_rounds(averager, timeout_s: float) -> bool:
-    """Let the state averaging round hivemind runs in the background end, apply its result, and make the model's
+    """End the state averaging round hivemind runs in the background, apply its result, and make the model's
     parameters equal the state this peer serves. Whether no round is left running (at most ``timeout_s``).
+
+    A round still looking for a group is given up (``leave_rounds``), and no later one begins: whatever it would
+    average, every trainer takes the finalizer's state next. (Waited for, it held a trainer out of the agreement
+    until the others had agreed and left: seen in the lab, 100 s for a round that found no group.) A round whose
+    group has formed is waited for: the others are in it.
 
     hivemind serves its optimizer's copy of the parameters (``offload_optimizer``), and a background round
     averages into that copy in place; its own wait for delayed updates gives up after the all-reduce timeout and
@@ -134,6 +139,10 @@ def settle_background_rounds(averager, timeout_s: float) -> bool:
     hashed to another, stable one for the whole minute of the agreement. (A round that ends later on a follower
     cannot undo the state it loads: RecordingStateAverager.)
     """
+    leave_rounds = getattr(averager, "leave_rounds", None)
+    given_up = leave_rounds() if leave_rounds is not None else None
+    if given_up:
+        logger.info("end of the run: %s", given_up)
     deadline = time.monotonic() + timeout_s
     for update in list(averager.pending_updates):
         try:
