@@ -21,11 +21,33 @@ from hivemind.proto import averaging_pb2
 from geotrain.config import load_config
 from geotrain.events import read_events
 from geotrain.hive.state.donors import Donor, donor_labels, probe_rtt_s, rank_donors
+from geotrain.hive.state.stream import StateAssembler
 from geotrain.hive.guard.contributions import hivemind_handle_name
 from geotrain.hive.optim.leave import stop_offering_state
 from geotrain.hive.dht.metric_records import MetricRecord, PeerRecord
 from donor_swarm import CHUNK, GoodDonor, Swarm
 from waiting import wait_until
+
+
+# --- the stream --------------------------------------------------------------------------------------------
+def test_a_stream_gives_its_metadata_and_each_tensor_whole_whether_metadata_comes_alone_or_with_a_part():
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.utils.serializer import MSGPackSerializer
+    from hivemind.utils.streaming import split_for_streaming
+
+    tensors = [torch.arange(40000, dtype=torch.float32), torch.ones(3, 5), torch.zeros(0)]
+    parts = [part for tensor in tensors for part in split_for_streaming(serialize_torch_tensor(tensor), 2**16)]
+    assert len(parts) > len(tensors), "the first tensor should come in several parts"
+    metadata = MSGPackSerializer.dumps({"epoch": 3})
+    alone = [averaging_pb2.DownloadData(metadata=metadata)] + [averaging_pb2.DownloadData(tensor_part=p) for p in parts]
+    together = [averaging_pb2.DownloadData(tensor_part=parts[0], metadata=metadata)] + \
+        [averaging_pb2.DownloadData(tensor_part=p) for p in parts[1:]]
+    for messages in (alone, together):
+        state = StateAssembler(MSGPackSerializer)
+        received = sum(state.add(message) for message in messages)
+        assert received == sum(len(p.buffer) for p in parts)
+        assert state.metadata == {"epoch": 3}
+        assert [t.tolist() for t in state.finish()] == [t.tolist() for t in tensors]
 
 
 # --- the order ---------------------------------------------------------------------------------------------

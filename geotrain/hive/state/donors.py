@@ -36,10 +36,9 @@ import multiprocessing
 import time
 from dataclasses import dataclass
 
-from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.streaming import combine_from_streaming
+
+from geotrain.hive.state.stream import StateAssembler, state_messages
 
 logger = logging.getLogger(__name__)
 
@@ -223,58 +222,41 @@ async def fetch_from(averager, donor: Donor, *, last: bool, stall_s: float, min_
                      progress: DownloadProgress | None, probation_s: float = PROBATION_S) -> Attempt:
     """One donor's state, watched: stalled, slow (unless ``last``, then bounded by bytes / min rate), empty."""
     started = time.monotonic()
-    received, expected, metadata = 0, None, None
-    tensors, parts = [], []
+    received, expected = 0, None
+    state = StateAssembler(averager.serializer)
     last_log = started
-    messages = None
     try:
-        stub = averager.get_stub(averager._p2p, PeerID.from_base58(donor.peer_id), namespace=averager.prefix)
-        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), stall_s)
-        messages = stream.__aiter__()
-        while True:
-            try:
-                message = await asyncio.wait_for(messages.__anext__(), stall_s)
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                return Attempt(donor, "stalled", received, time.monotonic() - started)
-            if message.metadata:
-                metadata = averager.serializer.loads(message.metadata)
-                if isinstance(metadata, dict) and isinstance(metadata.get(STATE_BYTES_KEY), int):
-                    expected = metadata[STATE_BYTES_KEY]
-            if message.tensor_part.dtype and parts:  # a new tensor starts: the previous one is whole
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-            received += len(message.tensor_part.buffer)
-            now = time.monotonic()
-            elapsed = now - started
-            rate = received / elapsed if elapsed > 0 else 0.0
-            if progress is not None:
-                progress.update(received, expected or 0, rate)
-            if now - last_log >= LOG_EVERY_S:
-                last_log = now
-                logger.info("state download from %s (%s): %s, %.2f MB/s%s", donor.peer_id, donor.region or "region "
-                            "unknown", _megabytes(received, expected), rate / 1e6, _eta(received, expected, rate))
-            if elapsed > probation_s and rate < min_rate_bytes_s:
-                bound_s = (expected or 0) / min_rate_bytes_s + probation_s
-                if not last or elapsed > bound_s:
-                    return Attempt(donor, "slow", received, elapsed)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        stream = state_messages(averager, donor.peer_id,
+                                lambda stub: stub.rpc_download_state(averaging_pb2.DownloadRequest()), stall_s)
+        async with contextlib.aclosing(stream) as messages:
+            async for message in messages:
+                received += state.add(message)
+                if expected is None and isinstance(state.metadata, dict) \
+                        and isinstance(state.metadata.get(STATE_BYTES_KEY), int):
+                    expected = state.metadata[STATE_BYTES_KEY]
+                now = time.monotonic()
+                elapsed = now - started
+                rate = received / elapsed if elapsed > 0 else 0.0
+                if progress is not None:
+                    progress.update(received, expected or 0, rate)
+                if now - last_log >= LOG_EVERY_S:
+                    last_log = now
+                    logger.info("state download from %s (%s): %s, %.2f MB/s%s", donor.peer_id,
+                                donor.region or "region unknown", _megabytes(received, expected), rate / 1e6,
+                                _eta(received, expected, rate))
+                if elapsed > probation_s and rate < min_rate_bytes_s:
+                    bound_s = (expected or 0) / min_rate_bytes_s + probation_s
+                    if not last or elapsed > bound_s:
+                        return Attempt(donor, "slow", received, elapsed)
+        tensors = state.finish()
     except asyncio.TimeoutError:
         return Attempt(donor, "stalled", received, time.monotonic() - started)
     except Exception as error:  # the donor left, refused or sent garbage: ask the next one
         logger.info("state download from %s failed: %r", donor.peer_id, error)
         return Attempt(donor, "failed", received, time.monotonic() - started)
-    finally:
-        close = getattr(messages, "aclose", None)  # a dropped donor's stream is closed, not left to the collector
-        if close is not None:
-            with contextlib.suppress(Exception):
-                await close()
-    if not metadata:
+    if not state.metadata:
         return Attempt(donor, "empty", received, time.monotonic() - started)
-    return Attempt(donor, "ok", received, time.monotonic() - started, (metadata, tensors))
+    return Attempt(donor, "ok", received, time.monotonic() - started, (state.metadata, tensors))
 
 
 async def download_state(averager, donors: list[Donor], *, stall_s: float, min_rate_bytes_s: float,

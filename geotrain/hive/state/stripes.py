@@ -32,12 +32,12 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from hivemind.compression import CompressionInfo, deserialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.compression import CompressionInfo
 from hivemind.proto import averaging_pb2
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.utils.streaming import split_for_streaming
 
 from geotrain.hive.state.donors import LOG_EVERY_S, STATE_BYTES_KEY, Attempt, Donor, DownloadProgress, _eta, _megabytes
+from geotrain.hive.state.stream import StateAssembler, state_messages
 
 logger = logging.getLogger(__name__)
 
@@ -166,42 +166,26 @@ class StripeFailed(Exception):
 
 async def fetch_part(averager, donor: Donor, part: PartRequest, *, stall_s: float, on_bytes=None):
     """One part from one donor: (metadata, tensors); StripeFailed when it stalls, fails or sends nothing."""
-    messages = None
-    metadata, tensors, chunks = None, [], []
+    state = StateAssembler(averager.serializer)
     try:
-        stub = averager.get_stub(averager._p2p, PeerID.from_base58(donor.peer_id), namespace=averager.prefix)
-        stream = await asyncio.wait_for(stub.rpc_download_state_part(part.to_message(averager.serializer)), stall_s)
-        messages = stream.__aiter__()
-        while True:
-            try:
-                message = await asyncio.wait_for(messages.__anext__(), stall_s)
-            except StopAsyncIteration:
-                break
-            if message.metadata:
-                metadata = averager.serializer.loads(message.metadata)
-                continue
-            if message.tensor_part.dtype and chunks:  # a new tensor starts: the previous one is whole
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(chunks)))
-                chunks = []
-            chunks.append(message.tensor_part)
-            if on_bytes is not None:
-                on_bytes(len(message.tensor_part.buffer))
-        if chunks:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(chunks)))
+        stream = state_messages(averager, donor.peer_id,
+                                lambda stub: stub.rpc_download_state_part(part.to_message(averager.serializer)),
+                                stall_s)
+        async with contextlib.aclosing(stream) as messages:
+            async for message in messages:
+                received = state.add(message)
+                if received and on_bytes is not None:
+                    on_bytes(received)
+        tensors = state.finish()
     except asyncio.TimeoutError:
         raise StripeFailed("stalled", f"nothing for {stall_s:.0f} s") from None
     except StripeFailed:
         raise
     except Exception as error:  # the donor left, refused, or does not serve parts (an older geotrain)
         raise StripeFailed("failed", repr(error)) from None
-    finally:
-        close = getattr(messages, "aclose", None)
-        if close is not None:
-            with contextlib.suppress(Exception):
-                await close()
-    if metadata is None:
+    if state.metadata is None:
         raise StripeFailed("empty", "the donor sent nothing (it refused, or offers no state)")
-    return metadata, tensors
+    return state.metadata, tensors
 
 
 def _epoch(metadata) -> object:
