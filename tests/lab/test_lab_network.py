@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import NETPROBE, geotrain, lab_run, needs_lab, nothing_left
+from lab_helpers import NETPROBE, geotrain, lab_run, needs_lab, nothing_left
 from geotrain.lab.network import LabNames, namespace_pids, relay_pids
 
 pytestmark = needs_lab

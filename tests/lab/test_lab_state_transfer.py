@@ -11,7 +11,7 @@ geotrain/hive/state/finalize.py). Every peer is started with the geotrain CLI th
 from __future__ import annotations
 
 
-from conftest import needs_lab, spawn_geotrain, start_coordinator, stop_all, wait_for
+from lab_helpers import needs_lab, spawn_geotrain, start_coordinator, stop_all, wait_for
 from geotrain.events import read_events
 
 pytestmark = needs_lab

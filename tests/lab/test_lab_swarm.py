@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from conftest import geotrain, needs_lab, spawn_geotrain, start_coordinator, stop_all
+from lab_helpers import geotrain, needs_lab, spawn_geotrain, start_coordinator, stop_all
 from geotrain.events import read_events
 from geotrain.lab.relay import STATS_EVERY_S
 
