@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from geotrain.events import read_events
 from geotrain.fork_server import ForkedProcess, ForkServer
 from geotrain.processes import is_alive as alive
+from waiting import wait_for
 
 # Small enough for 2 shared cores, large enough that an epoch takes a few seconds and peers meet in it.
 FAST_SWARM = ["--task", "cv", "--preset", "tiny", "--target-batch-size", "1024", "--batch-size", "32"]
@@ -84,16 +84,6 @@ def _fork_server() -> ForkServer:
         _started_fork_server = ForkServer.start(label="geotrain-tests")
         atexit.register(_started_fork_server.close)
     return _started_fork_server
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.3):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def last_epoch(events_path: Path) -> int:

@@ -13,12 +13,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from geotrain.lab.network import leftovers, missing_requirements
+from waiting import wait_for
 
 HERE = Path(__file__).resolve().parent
 NETPROBE = HERE / "netprobe.py"
@@ -54,15 +54,6 @@ def start_coordinator(lab: str, region: str, address: str, directory: Path, *tra
                              str(peers_file), "--region", region, *training)
     wait_for(peers_file.exists, 90, "the coordinator's address")
     return process, [a for a in peers_file.read_text().split() if address in a]
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def stop_all(processes: list[subprocess.Popen]) -> None:

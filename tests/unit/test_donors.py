@@ -26,7 +26,7 @@ from geotrain.hive.guard.contributions import hivemind_handle_name
 from geotrain.hive.optim.leave import stop_offering_state
 from geotrain.hive.dht.metric_records import MetricRecord, PeerRecord
 from donor_swarm import CHUNK, GoodDonor, Swarm
-from waiting import wait_until
+from waiting import wait_for
 
 
 # --- the stream --------------------------------------------------------------------------------------------
@@ -251,7 +251,8 @@ def test_a_leaving_peer_offers_its_state_to_no_new_downloader(swarm):
     # the leaving donor announces the higher priority: it would be asked first
     (leaving, staying), downloader, report = swarm.downloader((GoodDonor, 2.0, 9.0), (GoodDonor, 3.0, 8.0))
     stop_offering_state(SimpleNamespace(state_averager=leaving))  # what a stop request does (geotrain.trainer)
-    wait_until(lambda: leaving.peer_id.to_bytes() not in _announced(swarm.first), "the withdrawn donor record")
+    wait_for(lambda: leaving.peer_id.to_bytes() not in _announced(swarm.first), 30,
+             "the withdrawn donor record", interval_s=0.05)
     _, tensors = downloader.load_state_from_peers(timeout=60)
     assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 3.0)), "the state came from the leaving peer"
     assert report.downloads.snapshot()["attempts"]["ok"] == 1

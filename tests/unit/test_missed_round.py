@@ -33,7 +33,7 @@ from geotrain.hive.dht.keys import progress_key, read_progress, swarm_epoch_and_
 from geotrain.hive.optim.leave import withdraw_from_rounds
 from geotrain.hive.averaging.missed_round import READ_TIMEOUT_S, dht_is_running, reason_to_give_up, watch_round
 from optimizer_pair import optimizer_pair
-from waiting import wait_until
+from waiting import wait_for
 
 RUN_ID = "missed-round"
 
@@ -72,10 +72,12 @@ def step(model, optimizer) -> None:
 
 def test_a_trainer_one_epoch_behind_loads_the_state_instead_of_starting_a_round(trainers):
     (donor_model, donor), (model, optimizer) = trainers
-    wait_until(lambda: optimizer.tracker.fetched_global_progress_this_epoch.is_set(), "a look at the swarm")
+    wait_for(lambda: optimizer.tracker.fetched_global_progress_this_epoch.is_set(), 30,
+             "a look at the swarm", interval_s=0.05)
     optimizer._should_check_synchronization_on_update = False  # hivemind's check of this epoch has run
     donor_moves_to_epoch_one(donor)
-    wait_until(lambda: optimizer.tracker.global_epoch == 1, "the donor's epoch 1 in the progress records")
+    wait_for(lambda: optimizer.tracker.global_epoch == 1, 30,
+             "the donor's epoch 1 in the progress records", interval_s=0.05)
     assert optimizer.tracker.ready_to_update_epoch, "hivemind would begin this epoch's round now"
 
     backward(model)
@@ -89,7 +91,8 @@ def test_a_trainer_one_epoch_behind_loads_the_state_instead_of_starting_a_round(
 
 def test_a_trainer_at_the_swarms_epoch_steps_on_without_a_download(trainers):
     (_, donor), (model, optimizer) = trainers
-    wait_until(lambda: optimizer.tracker.fetched_global_progress_this_epoch.is_set(), "a look at the swarm")
+    wait_for(lambda: optimizer.tracker.fetched_global_progress_this_epoch.is_set(), 30,
+             "a look at the swarm", interval_s=0.05)
     optimizer._should_check_synchronization_on_update = False
     before = [parameter.detach().clone() for parameter in model.parameters()]
 
@@ -121,7 +124,7 @@ def test_a_round_looking_for_a_group_the_swarm_has_stepped_past_is_given_up(trai
 
     donor_moves_to_epoch_one(donor)  # the swarm had its round of epoch 0 without this peer
 
-    wait_until(control.cancelled, "the round to be given up")
+    wait_for(control.cancelled, 30, "the round to be given up", interval_s=0.05)
     assert given_up == [(0, "missed")] and optimizer._missed_round_of_epoch == 0
 
 
@@ -156,7 +159,8 @@ def test_a_watch_ends_once_its_dht_is_shut_down_though_its_round_never_ended():
 def test_after_a_round_given_up_the_next_step_loads_the_swarms_state(trainers):
     (donor_model, donor), (model, optimizer) = trainers
     donor_moves_to_epoch_one(donor)
-    wait_until(lambda: optimizer.tracker.global_epoch == 1, "the donor's epoch 1 in the progress records")
+    wait_for(lambda: optimizer.tracker.global_epoch == 1, 30,
+             "the donor's epoch 1 in the progress records", interval_s=0.05)
     # where a given-up round leaves a peer: stepped with its own gradients into the swarm's epoch
     optimizer.state_averager.local_epoch = 1
     with optimizer.tracker.pause_updates():
@@ -216,8 +220,8 @@ def test_a_state_round_the_swarm_has_stepped_past_is_given_up_and_the_next_step_
         assert "gave up the state averaging round" not in caplog.text, "given up while the swarm was at its epoch"
         donor.tracker.report_local_progress(2, 4)  # a trainer at epoch 2 has ended its round of epoch 1
 
-        wait_until(lambda: "gave up the state averaging round of epoch 1: the swarm had stepped past it"
-                   in caplog.text, "the state round to be given up")
+        wait_for(lambda: "gave up the state averaging round of epoch 1: the swarm had stepped past it"
+                   in caplog.text, 30, "the state round to be given up", interval_s=0.05)
     finish_delayed_updates(state_averager)
     assert state_averager.local_epoch == 1
 
@@ -254,8 +258,8 @@ def finish_delayed_updates(state_averager) -> None:
     the delayed updates (what the next step and hivemind's shutdown do) then finds nothing pending. (One such wait
     is bounded by the all-reduce timeout, a few seconds, so it can return while the averager still unwinds the
     round it gave up: the test looks at the step's future itself.)"""
-    wait_until(lambda: all(update.done() for update in state_averager.pending_updates),
-               "the background step with the state round to end", timeout_s=30)
+    wait_for(lambda: all(update.done() for update in state_averager.pending_updates), 30,
+             "the background step with the state round to end", interval_s=0.05)
     state_averager.step(wait_for_delayed_updates=True)
     assert not state_averager.pending_updates, "still waiting for the state round"
 
@@ -265,7 +269,8 @@ def test_a_load_while_the_swarm_averages_waits_for_its_step_and_takes_the_new_st
     # cannot join a round whose group has formed: it would give the round up and download again
     (_, donor), (model, optimizer) = trainers
     donor.tracker.report_local_progress(0, 64)  # the swarm's whole batch: its round of epoch 0 has begun
-    wait_until(lambda: optimizer.tracker.global_progress.samples_accumulated >= 64, "the batch in this peer's view")
+    wait_for(lambda: optimizer.tracker.global_progress.samples_accumulated >= 64, 30,
+             "the batch in this peer's view", interval_s=0.05)
     load_waits_for_the_swarms_step(donor, model, optimizer, "while the swarm's round was under way")
 
 
@@ -296,7 +301,8 @@ def test_a_load_while_the_swarm_forms_its_group_does_not_wait_for_its_step(train
     donor.tracker.report_local_progress(0, 8)
     time.sleep(0.5)
     donor.tracker.report_local_progress(0, 60)  # 4 samples short of the batch, at about 100 samples/s
-    wait_until(lambda: optimizer.tracker.global_progress.samples_accumulated >= 60, "the samples in this view")
+    wait_for(lambda: optimizer.tracker.global_progress.samples_accumulated >= 60, 30,
+             "the samples in this view", interval_s=0.05)
     progress = optimizer.tracker.global_progress
     assert 0 < progress.samples_accumulated < 64
     assert progress.eta_next_epoch - get_dht_time() <= optimizer.matchmaking_time, "the step is not near: checks nothing"
@@ -308,7 +314,8 @@ def test_a_load_while_the_swarm_is_far_from_its_step_downloads_at_once(trainers,
     donor.tracker.report_local_progress(0, 4)
     time.sleep(2.0)
     donor.tracker.report_local_progress(0, 6)  # 58 samples short at about 1 sample/s: nearly a minute away
-    wait_until(lambda: optimizer.tracker.global_progress.samples_accumulated >= 6, "the samples in this view")
+    wait_for(lambda: optimizer.tracker.global_progress.samples_accumulated >= 6, 30,
+             "the samples in this view", interval_s=0.05)
     assert optimizer.tracker.global_progress.eta_next_epoch - get_dht_time() > optimizer.matchmaking_time
     loads_at_once(optimizer, caplog)
 
@@ -360,7 +367,8 @@ def the_swarm_steps_during_the_download(optimizer, swarm_steps) -> None:
     def download_then_step(**kwargs):
         result = download(**kwargs)
         swarm_steps()
-        wait_until(lambda: swarm_epoch_and_trainers(optimizer.dht, RUN_ID)[0] == 1, "the step in the records")
+        wait_for(lambda: swarm_epoch_and_trainers(optimizer.dht, RUN_ID)[0] == 1, 30,
+                 "the step in the records", interval_s=0.05)
         return result
 
     optimizer.state_averager.load_state_from_peers = download_then_step
@@ -395,8 +403,8 @@ def test_a_load_that_ends_during_the_swarms_round_waits_for_its_step_then_catche
         result = download(**kwargs)
         for other in others:
             other.reports(epoch=0, samples=32)
-        wait_until(lambda: sum(p.samples_accumulated for p in read_progress(optimizer.dht, RUN_ID).values()) >= 64,
-                   "the whole batch in the records")
+        wait_for(lambda: sum(p.samples_accumulated for p in read_progress(optimizer.dht, RUN_ID).values()) >= 64, 30,
+                 "the whole batch in the records", interval_s=0.05)
         stepped.start()
         return result
 
@@ -417,8 +425,8 @@ def test_a_load_next_to_a_single_other_trainer_does_not_wait_for_a_step_that_nee
     def download_then_the_others_batch(**kwargs):
         result = download(**kwargs)
         other.reports(epoch=0, samples=64)
-        wait_until(lambda: any(p.samples_accumulated >= 64 for p in read_progress(optimizer.dht, RUN_ID).values()),
-                   "the whole batch in the records")
+        wait_for(lambda: any(p.samples_accumulated >= 64 for p in read_progress(optimizer.dht, RUN_ID).values()), 30,
+                 "the whole batch in the records", interval_s=0.05)
         return result
 
     optimizer.state_averager.load_state_from_peers = download_then_the_others_batch
@@ -436,7 +444,8 @@ def test_a_round_of_the_last_trainer_left_is_given_up_at_once_and_it_steps_with_
     other.reports(epoch=0, samples=32)
     optimizer.tracker.report_local_progress(0, 32)
     own = str(optimizer.dht.peer_id)
-    wait_until(lambda: set(read_progress(optimizer.dht, RUN_ID)) == {own, str(other.dht.peer_id)}, "both records")
+    wait_for(lambda: set(read_progress(optimizer.dht, RUN_ID)) == {own, str(other.dht.peer_id)}, 30,
+             "both records", interval_s=0.05)
     rounds = []
     optimizer.on_averaging_round = lambda result, duration_s: rounds.append(result)
     control = looking_for_a_group()
