@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-from geotrain.config import SwarmConfig, peer_id_problem
+from geotrain.config import SwarmConfig
+from geotrain.multiaddrs import peer_id_problem
 from geotrain.errors import UserError
 from geotrain.text_files import read_user_text
 

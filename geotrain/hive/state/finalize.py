@@ -127,17 +127,11 @@ def settle_background_rounds(averager, timeout_s: float) -> bool:
     """End the state averaging round hivemind runs in the background, apply its result, and make the model's
     parameters equal the state this peer serves. Whether no round is left running (at most ``timeout_s``).
 
-    A round still looking for a group is given up (``leave_rounds``), and no later one begins: whatever it would
-    average, every trainer takes the finalizer's state next. (Waited for, it held a trainer out of the agreement
-    until the others had agreed and left: seen in the lab, 100 s for a round that found no group.) A round whose
-    group has formed is waited for: the others are in it.
-
-    hivemind serves its optimizer's copy of the parameters (``offload_optimizer``), and a background round
-    averages into that copy in place; its own wait for delayed updates gives up after the all-reduce timeout and
-    leaves such a round running. A round that ended after this peer hashed its model changed what it serves and
-    not the hash: seen at the end of a run, the finalizer announced one hash while every follower's downloads
-    hashed to another, stable one for the whole minute of the agreement. (A round that ends later on a follower
-    cannot undo the state it loads: RecordingStateAverager.)
+    A round still looking for a group is given up (``leave_rounds``), and no later one begins: every trainer
+    takes the finalizer's state next, whatever it would average. A round whose group has formed is waited for
+    (the others are in it) past hivemind's own wait, which gives up after the all-reduce timeout and leaves it
+    running: hivemind serves the optimizer's copy of the parameters (``offload_optimizer``), and such a round
+    averages into it in place, after this peer announced its hash (docs/state-transfer.md, the end of a run).
     """
     leave_rounds = getattr(averager, "leave_rounds", None)
     given_up = leave_rounds() if leave_rounds is not None else None
