@@ -20,9 +20,9 @@ import warnings
 from pathlib import Path
 
 from geotrain.capacity import check_trainer_count
-from geotrain.config import ConfigError, GeotrainConfig, load_config
-from geotrain.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED, OperatorError,
-                             StopRequested, SwarmUnreachableError, UserError)
+from geotrain.config import GeotrainConfig, load_config
+from geotrain.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED, ConfigError,
+                             OperatorError, StopRequested, SwarmUnreachableError, UserError)
 from geotrain.hive.dht.admission_files import check_admission_files
 from geotrain.lab.command import add_lab_commands
 from geotrain.lifecycle import Stopper

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from geotrain.errors import UserError
+from geotrain.errors import ConfigError
 from geotrain.multiaddrs import multiaddr_problem, peer_id_problem
 from geotrain.tasks.presets import PRESET_NAMES
 from geotrain.text_files import load_yaml, read_user_text
@@ -34,10 +34,6 @@ TaskName = Literal["cv", "nlp", "asr", "emulated"]
 NetworkProfileName = Literal["loopback", "lan", "continent", "intercontinental"]
 GradCompression = Literal["none", "fp16", "uniform8bit", "powersgd"]
 OptimizerName = Literal["sgd", "adam", "adamw", "lamb"]
-
-
-class ConfigError(UserError):
-    """A config a user wrote is wrong; the message says which key and what was expected."""
 
 
 class _Strict(BaseModel):

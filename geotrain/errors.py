@@ -1,7 +1,7 @@
 """What a command can end with, and the exit code each outcome gets.
 
 - :class:`UserError` (exit 2): something the user must fix (a config key, a path, a port, a file). The
-  shipped systemd unit does not restart on it: restarting cannot help.
+  shipped systemd unit does not restart on it: restarting cannot help. :class:`ConfigError` is one for a config.
 - :class:`SwarmUnreachableError` (exit 3): no peer of the swarm answered; worth retrying later.
 - :class:`StopRequested` (exit 0, or the stop request's own code such as 75): a stop (SIGINT, SIGTERM, a
   preemption notice) came while the command was still joining the swarm; it leaves at once.
@@ -22,6 +22,10 @@ EXIT_SWARM_UNREACHABLE = 3
 
 class UserError(ValueError):
     """The user must fix something; the message says what and how (exit code 2)."""
+
+
+class ConfigError(UserError):
+    """A config a user wrote is wrong; the message says which key and what was expected."""
 
 
 class SwarmUnreachableError(RuntimeError):

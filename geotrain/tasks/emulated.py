@@ -32,7 +32,7 @@ from typing import Iterator
 
 import torch
 
-from geotrain.config import ConfigError
+from geotrain.errors import ConfigError
 from geotrain.tasks import data
 from geotrain.tasks.base import Batch, Task, check_part
 from geotrain.tasks.presets import EmulatedPresets
