@@ -11,7 +11,7 @@ from geotrain.config import PreemptionConfig
 from geotrain.events import read_events
 from geotrain.preemption import EXIT_PREEMPTED, detect_cloud, start_watcher
 from cloud_metadata import CLOUDS, metadata_flags
-from swarm_helpers import FAST_SWARM, last_epoch, wait_for
+from swarm_helpers import IDLE_SWARM, last_epoch, wait_for
 
 EXIT_BUDGET_S = 20.0
 AVERAGING_TIMEOUT_S = 30.0  # long, so that a swarm that waited for a departed peer would show it
@@ -57,7 +57,7 @@ def test_auto_detects_the_cloud_from_its_metadata_service(servers):
 
 def test_each_clouds_notice_makes_a_trainer_leave_and_the_swarm_goes_on(swarm, servers):
     swarm.start_coordinator()
-    common = [*FAST_SWARM, "--wait-for-peers", "4", "--averaging-timeout", str(AVERAGING_TIMEOUT_S)]
+    common = [*IDLE_SWARM, "--wait-for-peers", "4", "--averaging-timeout", str(AVERAGING_TIMEOUT_S)]
     trainers = {}
     for index, cloud in enumerate(sorted(CLOUDS)):
         trainers[cloud] = swarm.start_trainer(cloud, *common, "--data-seed", str(index + 1),
