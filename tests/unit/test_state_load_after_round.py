@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from geotrain.config import load_config
-from geotrain.hive.state.finalize import settle_background_rounds
+from geotrain.hive.state.finalize import serve_these_parameters, settle_background_rounds
 from geotrain.hive.state.snapshot import parameters_sha256
 from optimizer_pair import optimizer_pair
 
@@ -96,8 +96,15 @@ def test_the_final_state_a_trainer_serves_is_the_one_whose_hash_it_announces():
         round_ = averager.step_executor.submit(late_round)
         averager.pending_updates.add(round_)
         assert settle_background_rounds(averager, timeout_s=30)
+        serve_these_parameters(averager, model)
         announced = parameters_sha256(model)
         round_.result(timeout=30)  # (the followers download while the agreement goes on)
+        # and a round given up just as its group formed averages in place later still (hivemind's round does
+        # not stop for a cancel once its group has formed: seen with PowerSGD in a fresh-clone CI run)
+        with torch.no_grad(), averager.lock_averaged_tensors:
+            for group in averager.optimizer.param_groups:
+                for parameter in group["params"]:
+                    parameter.fill_(0.25)
         wait_for_donor(follower.dht)
         follower.state_averager.load_state_from_peers(timeout=30)
 

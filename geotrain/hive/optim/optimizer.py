@@ -85,6 +85,23 @@ class RecordingStateAverager(TrainingStateAverager):
 
     _state_round = None  # the control of the last state round _do began
     _leaving = False
+    _served_state = None  # once frozen (the end of a run): what this peer serves, instead of its live state
+
+    def freeze_served_state(self, parameters) -> None:
+        """Serve the state as it is now from here on, with ``parameters`` (the model's, whose hash this peer
+        announces) in place of the optimizer's copy. hivemind serves that copy, and a state round that found its
+        group just as it was given up still averages into it in place (hivemind's round does not stop for a
+        cancel once its group has formed): what the end-of-run agreement's followers download must not change."""
+        metadata, tensors, *rest = self.get_current_state()
+        tensors = [tensor.detach().clone() for tensor in tensors]
+        for index, parameter in enumerate(parameters):
+            tensors[index] = parameter.detach().cpu().clone()
+        self._served_state = (metadata, tensors, *rest)
+
+    def get_current_state(self):
+        if self._served_state is not None:
+            return self._served_state
+        return super().get_current_state()
 
     def leave_rounds(self) -> str | None:
         """When a stop is requested: the state round looking for a group is given up at once, and any later one

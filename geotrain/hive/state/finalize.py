@@ -154,6 +154,14 @@ def settle_background_rounds(averager, timeout_s: float) -> bool:
     return not running
 
 
+def serve_these_parameters(averager, model) -> None:
+    """From now on this peer serves its state with the model's parameters as they are now (what it announces),
+    whatever a late round writes into the optimizer's copy (RecordingStateAverager.freeze_served_state)."""
+    freeze = getattr(averager, "freeze_served_state", None)
+    if freeze is not None and not hasattr(averager, "outer_parameters"):  # (DiLoCo serves its outer parameters)
+        freeze(list(model.parameters()))
+
+
 def agreement_timeout_s(optimizer, timeout_s: float) -> float:
     """``timeout_s``, or two state transfers at the minimum download rate when that is longer (at most
     MAX_AGREEMENT_S: the agreement's records must not outlive the DHT's one-hour limit)."""
@@ -221,6 +229,7 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
     finalizer = donors[0]
 
     if finalizer == peer_id:
+        serve_these_parameters(optimizer.state_averager, model)
         sha256 = parameters_sha256(model)
         _store(dht, run_id, peer_id, {"role": "finalizer", "sha256": sha256, "epoch": epoch, "region": region},
                timeout_s)
@@ -271,6 +280,7 @@ def agree_on_final_state(dht, optimizer, model, run_id: str, epoch: int, client_
             donor, donor_region = guard_report.last_donor() if guard_report is not None else (None, None)
             logger.info("took the final state %s from %s (%s)", sha256[:16], donor or finalizer,
                         donor_region or "region unknown")
+            serve_these_parameters(optimizer.state_averager, model)
             for averager in sharing:
                 averager.allow_state_sharing = True  # now it is: serve it to the others of this region
             _store(dht, run_id, peer_id, {"role": "synced", "sha256": sha256, "epoch": epoch, "region": region,
