@@ -143,7 +143,9 @@ def settle_background_rounds(averager, timeout_s: float) -> bool:
             update.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception:  # a failed or timed-out round leaves the parameters as they were; hivemind logs it
             pass
-    averager.step(wait_for_delayed_updates=True)  # applies a finished round's result
+    # applies a finished round's result; no second wait (hivemind's would add its all-reduce timeout, up to
+    # 600 s across continents, to a round still running after timeout_s)
+    averager.step(wait_for_delayed_updates=False)
     running = any(not update.done() for update in averager.pending_updates)
     if running:
         logger.warning("a state averaging round still runs after %.0f s; the final state may change under it",
