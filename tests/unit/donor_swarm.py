@@ -19,6 +19,13 @@ class GoodDonor(GuardedAveragerMixin, DecentralizedAverager):
     guard_config = GuardConfig()
 
 
+class UncheckedDonor(GoodDonor):
+    """A donor that serves whatever state it holds, non-finite too, as a hostile or broken peer's would."""
+
+    def _state_is_servable(self, tensors) -> bool:
+        return True
+
+
 class Downloader(GuardedAveragerMixin, DecentralizedAverager):
     guard_config = GuardConfig()
     donor_stall_s = 2.0

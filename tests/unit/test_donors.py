@@ -25,7 +25,7 @@ from geotrain.hive.state.stream import StateAssembler
 from geotrain.hive.guard.contributions import hivemind_handle_name
 from geotrain.hive.optim.leave import stop_offering_state
 from geotrain.hive.dht.metric_records import MetricRecord, PeerRecord
-from donor_swarm import CHUNK, GoodDonor, Swarm
+from donor_swarm import CHUNK, GoodDonor, Swarm, UncheckedDonor
 from waiting import wait_for
 
 
@@ -48,6 +48,13 @@ def test_a_stream_gives_its_metadata_and_each_tensor_whole_whether_metadata_come
         assert received == sum(len(p.buffer) for p in parts)
         assert state.metadata == {"epoch": 3}
         assert [t.tolist() for t in state.finish()] == [t.tolist() for t in tensors]
+    # a donor that leaves inside a tensor: the error says so (it said "shape '[65536]' is invalid for input of
+    # size 49152" in a run whose finalizer left while a follower downloaded)
+    state = StateAssembler(MSGPackSerializer)
+    for message in alone[:2]:
+        state.add(message)
+    with pytest.raises(RuntimeError, match="the stream ended inside tensor 0"):
+        state.finish()
 
 
 # --- the order ---------------------------------------------------------------------------------------------
@@ -197,8 +204,8 @@ def test_only_the_allowed_donors_are_asked(swarm):
 def test_a_donor_whose_state_is_not_finite_is_refused_banned_and_the_next_one_asked(swarm, tmp_path):
     # the poisoned donor announces the higher priority: it is asked first
     events_path = tmp_path / "events.jsonl"
-    (poisoned, good), downloader, report = swarm.downloader((GoodDonor, float("nan"), 9.0), (GoodDonor, 3.0, 8.0),
-                                                            events_path=events_path)
+    (poisoned, good), downloader, report = swarm.downloader((UncheckedDonor, float("nan"), 9.0),
+                                                            (GoodDonor, 3.0, 8.0), events_path=events_path)
     _, tensors = downloader.load_state_from_peers(timeout=60)
     assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 3.0)), "the state did not come from the finite donor"
     attempts = report.downloads.snapshot()["attempts"]
@@ -210,6 +217,17 @@ def test_a_donor_whose_state_is_not_finite_is_refused_banned_and_the_next_one_as
     # with the finite donor gone too, nothing is loaded: the peer keeps what it has
     report.bans.ban(good.peer_id.to_base58(), 600)
     assert downloader.load_state_from_peers(timeout=60) is None
+
+
+def test_a_geotrain_donor_whose_own_state_is_not_finite_serves_nothing_and_is_not_banned(swarm):
+    """An honest peer's served parameters hold a bad peer's NaN span from a state averaging round until its next
+    step restores them: it withholds them, and the downloader asks the next donor without banning it."""
+    (withholding, _), downloader, report = swarm.downloader((GoodDonor, float("nan"), 9.0), (GoodDonor, 3.0, 8.0))
+    _, tensors = downloader.load_state_from_peers(timeout=60)
+    assert torch.equal(tensors[0], torch.full((4 * CHUNK,), 3.0)), "the state did not come from the finite donor"
+    attempts = report.downloads.snapshot()["attempts"]
+    assert attempts["empty"] == 1 and attempts["refused"] == 0 and attempts["ok"] == 1, attempts
+    assert report.bans.active() == set(), "an honest donor that withheld its state was banned"
 
 
 class EpochDonor(GoodDonor):

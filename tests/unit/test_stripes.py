@@ -21,7 +21,7 @@ from geotrain.events import read_events
 from geotrain.hive.state.donors import Donor
 from geotrain.hive.guard.contributions import GuardReport, hivemind_handle_name
 from geotrain.hive.state.stripes import PART_KEY, PartRequest, PartRequestError, plan_stripes, stripe_donors
-from donor_swarm import CHUNK, Downloader, GoodDonor, Swarm
+from donor_swarm import CHUNK, Downloader, GoodDonor, Swarm, UncheckedDonor
 
 TENSORS = 6
 
@@ -155,7 +155,7 @@ def test_a_donor_that_stalls_or_serves_no_stripes_is_dropped_and_the_others_send
 
 def test_a_stripe_that_is_not_finite_is_refused_its_donor_banned_and_the_stripe_sent_by_another(swarm, tmp_path):
     events_path = tmp_path / "events.jsonl"
-    (good, poisoned), downloader, report = swarm.downloader((GoodDonor, 3.0, 8.4), (GoodDonor, float("nan"), 8.0),
+    (good, poisoned), downloader, report = swarm.downloader((GoodDonor, 3.0, 8.4), (UncheckedDonor, float("nan"), 8.0),
                                                             events_path=events_path,
                                                             downloader_class=StripingDownloader, tensors=TENSORS)
     _, tensors = downloader.load_state_from_peers(timeout=60)

@@ -42,6 +42,7 @@ from hivemind.proto import averaging_pb2
 from geotrain.hive.state.donors import (PROBATION_S, PROBE_TIMEOUT_S, STATE_BYTES_KEY, DownloadProgress, OwnEpoch,
                                         donor_labels, download_state, measure_donors, rank_donors)
 from geotrain.hive.dht.metric_records import read_records
+from geotrain.hive.guard.step import all_finite
 from geotrain.hive.state.stripes import PartRequest, PartRequestError, StateSnapshots, download_striped, part_messages, \
     stripe_donors
 
@@ -52,7 +53,7 @@ COUNTED = (
     ("contribution", "non-finite"), ("contribution", "norm"), ("contribution", "weight"),
     ("join_group", "not admitted"), ("join_group", "banned"), ("aggregate", "not admitted"), ("aggregate", "banned"),
     ("download_state", "not admitted"), ("download_state", "busy"), ("download_state", "non-finite state"),
-    ("download_state", "malformed part request"),
+    ("download_state", "malformed part request"), ("download_state", "own state non-finite"),
     ("step", "non-finite"), ("step", "norm"), ("microstep", "non-finite"),
     ("parameters", "non-finite after step"), ("parameters", "non-finite in loaded state"),
     ("parameters", "non-finite state average"),
@@ -63,6 +64,8 @@ COUNTED = (
 # summed over the swarm, every byte of every averaging round that crossed between peers, counted once (by its
 # reducer); what the compression changes, without the DHT's and the state downloads' traffic
 AVERAGING_DIRECTIONS = ("received", "sent")
+
+WITHHELD_LOG_EVERY_S = 10.0  # a peer whose state is not finite says so at most this often while downloads come
 
 
 class ContributionRefused(Exception):
@@ -412,11 +415,34 @@ class GuardedAveragerMixin:
 
     # --- state downloads: the nearest donor first, never a banned one or a non-finite state -------------
     def get_current_state(self):
-        """hivemind's state to serve, with its size in the metadata: the downloader's progress and bound."""
+        """hivemind's state to serve, with its size in the metadata: the downloader's progress and bound; nothing
+        while it is not finite (:meth:`_state_is_servable`): the downloader goes on to the next donor."""
         metadata, tensors, *rest = super().get_current_state()
+        if not self._state_is_servable(tensors):
+            return (None, (), *(() for _ in rest))
         if isinstance(metadata, dict):
             metadata = {**metadata, STATE_BYTES_KEY: int(sum(t.numel() * t.element_size() for t in tensors))}
         return (metadata, tensors, *rest)
+
+    _withheld_logged_at = -float("inf")
+
+    def _state_is_servable(self, tensors) -> bool:
+        """Whether this peer's state is finite, and so may be served. A state averaging round with a bad peer
+        writes the span that peer reduced straight into the served parameters (with the offloaded optimizer
+        hivemind averages in place), and they stay so until this peer's next step puts the last good ones back.
+        A downloader that took them then refused them and banned this honest peer for ``guard.ban_s``; seen at
+        the end of a run next to a NaN peer: the finalizer, having banned the other honest trainer, left without
+        waiting for it, and the run ended with two models."""
+        if all_finite(t for t in tensors if t.is_floating_point()):
+            return True
+        if self.guard_report is not None:
+            self.guard_report.count("download_state", "own state non-finite")
+        now = time.monotonic()
+        if now - self._withheld_logged_at >= WITHHELD_LOG_EVERY_S:
+            self._withheld_logged_at = now
+            logger.warning("not serving this peer's state to downloaders: it holds non-finite values (a bad peer's "
+                           "part of a state averaging round) until its next step restores the last good ones")
+        return False
 
     def load_state_from_peers(self, *args, **kwargs):
         """hivemind's download, waited for as long as the state's bytes take at the expected rate (the

@@ -66,7 +66,11 @@ class StateAssembler:
     def finish(self) -> list[torch.Tensor]:
         """The tensors, the last one included, once the stream has ended."""
         if self._parts:
-            self._finish_tensor()
+            try:
+                self._finish_tensor()
+            except RuntimeError as error:  # a donor that left mid-stream: its last tensor is cut short
+                raise RuntimeError(f"the stream ended inside tensor {len(self.tensors)} (the donor left or was cut "
+                                   f"off): {error}") from error
         return self.tensors
 
     def _finish_tensor(self) -> None:
