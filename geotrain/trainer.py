@@ -41,7 +41,7 @@ from geotrain.hive.dht.node import start_dht, visible_addresses
 from geotrain.hive.state.finalize import agree_on_final_state
 from geotrain.hive.dht.keys import announce_trainer, announced_trainers, best_donor_epoch, read_progress
 from geotrain.hive.optim.leave import leave_swarm, stop_offering_state, withdraw_from_rounds
-from geotrain.hive.guard.contributions import GuardReport
+from geotrain.hive.guard.report import GuardReport
 from geotrain.hive.optim.factory import build_hivemind_optimizer
 from geotrain.hive.state.snapshot import current_learning_rate, parameters_sha256
 from geotrain.initial_peers_file import wait_for_initial_peers

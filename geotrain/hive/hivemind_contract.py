@@ -46,7 +46,7 @@ _OPTIMIZER = "hivemind.optim.optimizer.Optimizer"
 _POWER_SGD = "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager"
 
 INTERNALS: tuple[Internal, ...] = (
-    # --- averagers: what peers send each other (geotrain.hive.guard.contributions, state.donors, state.stripes) --
+    # --- averagers: what peers send each other (geotrain.hive.guard.contributions, state.downloader, stripes) ---
     Internal(_AVERAGER, "rpc_join_group", OVERRIDE, ("self", "request", "context"),
              "refuse banned and unadmitted peers before they join a group (guard)"),
     Internal(_AVERAGER, "rpc_aggregate_part", OVERRIDE, ("self", "stream", "context"),
@@ -54,7 +54,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_AVERAGER, "rpc_download_state", OVERRIDE, ("self", "_request", "_context"),
              "refuse state downloads from unadmitted peers and beyond the concurrency limit (guard)"),
     Internal(_AVERAGER, "_load_state_from_peers", REPLACE, ("self", "future", "timeout"),
-             "download from the nearest current donor, watched for stalls, and refuse non-finite states (guard)"),
+             "download from the nearest current donor, watched for stalls, and refuse non-finite states (downloader)"),
     Internal(_AVERAGER, "_get_current_state_from_host_process", CALL, ("self",),
              "serve a stripe of the state (stripes)"),
     Internal("hivemind.p2p.servicer.ServicerBase", "get_stub", CALL, ("cls", "p2p", "peer", "namespace"),

@@ -149,7 +149,7 @@ class PeerMetrics(_Metrics):
         self.outer_round_sent_bytes.set(sent_bytes)
 
     def watch_guard(self, report) -> None:
-        """Export the guard's refusals (:class:`geotrain.hive.guard.contributions.GuardReport`), counted in every
+        """Export the guard's refusals (:class:`geotrain.hive.guard.report.GuardReport`), counted in every
         process of this peer, as ``geotrain_guard_refusals_total{what,reason}``."""
         self.registry.register(_GuardCollector(report, self._labels))
         self.registry.register(_DownloadCollector(report.downloads, self._labels))

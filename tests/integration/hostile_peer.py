@@ -77,7 +77,7 @@ def poisoned_averager_class(mode: str, events_path: Path | None) -> type:
 
     poisoned = {"nan": NaNGradients, "scale": ScaledGradients, "weight": ForgedWeight}[mode]
     # hivemind names an averager's RPCs after its class ("{prefix}::GradientAverager.rpc_join_group"), and
-    # geotrain's averagers answer under the names of hivemind's classes (geotrain.hive.guard.contributions): under a
+    # geotrain's averagers answer under the names of hivemind's classes (geotrain.hive.averaging.handle_names): under a
     # name of its own this peer could not even join the honest peers' groups, and would poison nothing
     poisoned.__name__ = poisoned.__qualname__ = GradientAverager.__name__
     return poisoned

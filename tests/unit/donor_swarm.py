@@ -10,7 +10,9 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 
 from geotrain.config import GuardConfig
-from geotrain.hive.guard.contributions import GuardedAveragerMixin, GuardReport
+from geotrain.hive.guard.contributions import GuardedAveragerMixin
+from geotrain.hive.guard.report import GuardReport
+from geotrain.hive.state.downloader import StateDownloadMixin
 
 CHUNK = 2**16
 
@@ -26,7 +28,7 @@ class UncheckedDonor(GoodDonor):
         return True
 
 
-class Downloader(GuardedAveragerMixin, DecentralizedAverager):
+class Downloader(GuardedAveragerMixin, StateDownloadMixin, DecentralizedAverager):
     guard_config = GuardConfig()
     donor_stall_s = 2.0
     donor_probation_s = 1.5

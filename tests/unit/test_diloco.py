@@ -15,7 +15,7 @@ import torch
 from geotrain.config import ConfigError, load_config
 from geotrain.hive.optim.diloco import (FINGERPRINT_VALUES, MAX_PSEUDO_GRADIENT_TO_PARAMETERS, majority_donor,
                                         same_outer_parameters)
-from geotrain.hive.guard.contributions import GuardReport
+from geotrain.hive.guard.report import GuardReport
 from geotrain.hive.averaging.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.optim.averagers import GuardedDiLoCoStateAverager, GuardedGradientAverager, GuardedStateAverager
 from geotrain.hive.optim.diloco import DiLoCoOptimizer

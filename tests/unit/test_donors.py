@@ -22,7 +22,7 @@ from geotrain.config import load_config
 from geotrain.events import read_events
 from geotrain.hive.state.donors import Donor, donor_labels, probe_rtt_s, rank_donors
 from geotrain.hive.state.stream import StateAssembler
-from geotrain.hive.guard.contributions import hivemind_handle_name
+from geotrain.hive.averaging.handle_names import hivemind_handle_name
 from geotrain.hive.optim.leave import stop_offering_state
 from geotrain.hive.dht.metric_records import MetricRecord, PeerRecord
 from donor_swarm import CHUNK, GoodDonor, Swarm, UncheckedDonor

@@ -16,7 +16,8 @@ from hivemind.proto import dht_pb2
 from geotrain.config import ConfigError, GuardConfig, SwarmConfig, load_config
 from geotrain.hive.dht.admission import (MAX_CLOCK_SKEW_S, AdmissionConfigError, Admission, SwarmTokenAuthorizer,
                                          load_allowed_peer_ids, load_swarm_token)
-from geotrain.hive.guard.contributions import COUNTED, GuardReport, contribution_refusal
+from geotrain.hive.guard.contributions import contribution_refusal
+from geotrain.hive.guard.report import COUNTED, GuardReport
 from geotrain.hive.dht.identity import IdentityError, peer_id_of
 from geotrain.hive.optim.factory import with_step_guard
 from geotrain.hive.guard.step import StepGuard

@@ -19,7 +19,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from geotrain.events import read_events
 from geotrain.hive.state.donors import Donor
-from geotrain.hive.guard.contributions import GuardReport, hivemind_handle_name
+from geotrain.hive.averaging.handle_names import hivemind_handle_name
+from geotrain.hive.guard.report import GuardReport
 from geotrain.hive.state.stripes import PART_KEY, PartRequest, PartRequestError, plan_stripes, stripe_donors
 from donor_swarm import CHUNK, Downloader, GoodDonor, Swarm, UncheckedDonor
 

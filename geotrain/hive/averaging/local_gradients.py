@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from hivemind.optim.grad_averager import GradientAverager
 
-from geotrain.hive.guard.contributions import hivemind_handle_name
+from geotrain.hive.averaging.handle_names import hivemind_handle_name
 
 
 class LocalGradientsKeepingAverager(GradientAverager):

@@ -129,7 +129,7 @@ class OuterStateAverager(TrainingStateAverager):
     resyncing: bool = False  # set by the optimizer while it loads the state of its round's majority
     refused_state: str | None = None  # why the last downloaded state was refused
     refused_state_behind: bool = False  # ... because it was of an older epoch: late, which an honest peer can be
-    guard_report = None  # GuardedDiLoCoStateAverager's (geotrain.hive.guard.contributions.GuardSettings)
+    guard_report = None  # GuardedDiLoCoStateAverager's (geotrain.hive.guard.report)
     min_inner_steps_for_norm_check: float = 1.0  # a quarter of optimizer.diloco.inner_steps
     overlap_rounds: bool = False  # optimizer.diloco.overlap_rounds
     _round_prepared: bool = False  # the round's pseudo-gradient is in the averaging buffers (prepare_round)

@@ -28,7 +28,8 @@ from geotrain.config import GeotrainConfig
 from geotrain.hive.averaging.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.averaging.powersgd import PowerSGDKeepingAverager
 from geotrain.hive.dht.admission import Admission, load_allowed_peer_ids, load_swarm_token
-from geotrain.hive.guard.contributions import GuardReport, GuardSettings
+from geotrain.hive.guard.contributions import GuardSettings
+from geotrain.hive.guard.report import GuardReport
 from geotrain.hive.guard.step import StepGuard
 from geotrain.hive.hivemind_contract import install_patches
 from geotrain.hive.optim.averagers import (GuardedDiLoCoStateAverager, GuardedGradientAverager,

@@ -22,7 +22,8 @@ from geotrain.hive.averaging.local_gradients import LocalGradientsKeepingAverage
 from geotrain.hive.averaging.missed_round import ALONE, LEAVING, MISSED, dht_is_running, reason_to_give_up, watch_round
 from geotrain.hive.averaging.rounds import averaging_round_result, round_error
 from geotrain.hive.dht.keys import read_progress
-from geotrain.hive.guard.contributions import GuardReport, hivemind_handle_name
+from geotrain.hive.averaging.handle_names import hivemind_handle_name
+from geotrain.hive.guard.report import GuardReport
 from geotrain.hive.guard.step import StepGuard, all_finite, reset_statistics
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class RecordingStateAverager(TrainingStateAverager):
     """
 
     loaded_epoch: int | None = None
-    guard_report: GuardReport | None = None  # GuardedStateAverager's (geotrain.hive.guard.contributions.GuardSettings)
+    guard_report: GuardReport | None = None  # GuardedStateAverager's (geotrain.hive.guard.report)
     _get_handle_name = classmethod(hivemind_handle_name)
 
     _loading_state = False

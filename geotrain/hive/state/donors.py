@@ -2,8 +2,8 @@
 
 hivemind asks state donors in the order of the priority they announce (their epoch), wherever they are:
 a trainer that rejoins in Australia may pull the whole state from Europe over a thin link while another
-Australian trainer holds the same epoch. geotrain's averagers (:meth:`GuardedAveragerMixin._load_state_from_peers`
-in :mod:`geotrain.hive.guard.contributions`) download with :func:`download_state` instead:
+Australian trainer holds the same epoch. geotrain's state averagers (:meth:`StateDownloadMixin._load_state_from_peers`
+in :mod:`geotrain.hive.state.downloader`) download with :func:`download_state` instead:
 
 1. **Order** (:func:`rank_donors`): donors that hold the newest epoch (within ``epoch_tolerance``: a peer
    that loaded a state one epoch old catches up with the swarm's epoch; never one at this peer's own epoch
