@@ -15,6 +15,7 @@ from pathlib import Path
 from geotrain.events import read_events
 from geotrain.fork_server import ForkedProcess, ForkServer
 from geotrain.processes import is_alive as alive
+from stopping import stop_processes
 from waiting import wait_for
 
 # Small enough for 2 shared cores, large enough that an epoch takes a few seconds and peers meet in it.
@@ -158,15 +159,7 @@ class Swarm:
         return (self.directory / f"{name}.log").read_text(errors="replace")
 
     def stop(self) -> None:
-        for process in reversed(self.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_processes(self.processes)
 
 
 def agreement_report(summary: dict) -> str:

@@ -9,8 +9,6 @@ never touched.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,19 +52,6 @@ def start_coordinator(lab: str, region: str, address: str, directory: Path, *tra
                              str(peers_file), "--region", region, *training)
     wait_for(peers_file.exists, 90, "the coordinator's address")
     return process, [a for a in peers_file.read_text().split() if address in a]
-
-
-def stop_all(processes: list[subprocess.Popen]) -> None:
-    """SIGTERM, then SIGKILL to the process group of whatever is still running."""
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def nothing_left(lab: str) -> dict:

@@ -11,7 +11,8 @@ geotrain/hive/state/finalize.py). Every peer is started with the geotrain CLI th
 from __future__ import annotations
 
 
-from lab_helpers import needs_lab, spawn_geotrain, start_coordinator, stop_all, wait_for
+from lab_helpers import needs_lab, spawn_geotrain, start_coordinator, wait_for
+from stopping import stop_processes
 from geotrain.events import read_events
 
 pytestmark = needs_lab
@@ -86,4 +87,4 @@ def test_a_late_joiner_and_the_final_state_come_from_the_nearest_donor(make_lab,
             crossings[region] += sum(e["donor_region"] != region for e in final)
         assert all(count <= 1 for count in crossings.values()), f"final state transfers across the link: {crossings}"
     finally:
-        stop_all(processes)
+        stop_processes(processes)

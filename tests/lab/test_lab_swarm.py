@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import time
 
-from lab_helpers import geotrain, needs_lab, spawn_geotrain, start_coordinator, stop_all
+from lab_helpers import geotrain, needs_lab, spawn_geotrain, start_coordinator
+from stopping import stop_processes
 from geotrain.events import read_events
 from geotrain.lab.relay import STATS_EVERY_S
 
@@ -79,4 +80,4 @@ def test_two_regions_train_to_identical_parameters(make_lab, tmp_path):
         ratio = sum(sent.values()) / pipes["2->1"]["bytes"]
         assert 0.7 <= ratio <= 1.25, f"east measured {sent}, the relay carried {pipes['2->1']} east->west"
     finally:
-        stop_all(processes)
+        stop_processes(processes)

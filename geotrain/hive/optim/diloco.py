@@ -288,6 +288,10 @@ class OuterStateAverager(TrainingStateAverager):
         for local, outer in zip(self._local_parameters(), self.outer_parameters):
             local.copy_(outer)
 
+    def freeze_served_state(self, parameters) -> None:
+        """Nothing to freeze (the end-of-run agreement's call): what this peer serves is a copy of its outer
+        parameters, taken under the averager's lock, and only an outer round changes them."""
+
     def get_current_state(self):
         """What a newcomer downloads: the outer parameters (not this peer's local ones), buffers, the inner and
         the outer optimizer's state, the epoch."""

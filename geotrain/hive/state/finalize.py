@@ -160,7 +160,7 @@ def serve_these_parameters(averager, model) -> None:
     """From now on this peer serves its state with the model's parameters as they are now (what it announces),
     whatever a late round writes into the optimizer's copy (RecordingStateAverager.freeze_served_state)."""
     freeze = getattr(averager, "freeze_served_state", None)
-    if freeze is not None and not hasattr(averager, "outer_parameters"):  # (DiLoCo serves its outer parameters)
+    if freeze is not None:
         freeze(list(model.parameters()))
 
 
