@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from geotrain.hive.state.finalize import followers_wanted, not_heard_from, still_in_the_last_round
+from geotrain.hive.state.finalize import (enough_followers, followers_wanted, not_heard_from,
+                                          still_in_the_last_round)
 
 LAST_EPOCH = 10
 
@@ -57,3 +58,18 @@ def test_a_trainer_whose_record_shows_an_epoch_before_the_last_round_is_not_wait
 
 def test_a_failed_read_of_the_progress_records_keeps_the_count_of_the_last_epoch():
     assert followers_wanted(3, {}, set(), "me", {"me"}, set(), LAST_EPOCH) == 2
+
+
+def test_a_trainer_counted_in_the_last_epoch_is_waited_for_a_moment_though_its_record_lags():
+    # the swarm counted two trainers; the other's progress record still shows an epoch before the last round
+    # (it caught up by loading the state): followers_wanted says 0, the count says 1
+    wanted = followers_wanted(2, {"me": LAST_EPOCH, "caught up": LAST_EPOCH - 2}, set(), "me", {"me"}, set(),
+                              LAST_EPOCH)
+    assert wanted == 0
+    assert not enough_followers(0, wanted, 1, past_grace=False, past_settle=False)
+    assert enough_followers(1, wanted, 1, past_grace=False, past_settle=False)  # it took the state
+    assert enough_followers(0, wanted, 1, past_grace=True, past_settle=False)  # it died: a moment, not the settle
+    # the followers the records show are waited for past the moment, up to the settle time
+    assert not enough_followers(0, 1, 1, past_grace=True, past_settle=False)
+    assert enough_followers(0, 1, 1, past_grace=True, past_settle=True)
+

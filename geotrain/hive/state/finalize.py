@@ -34,6 +34,10 @@ from geotrain.hive.state.snapshot import parameters_sha256
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
+# how long a peer that serves the final state waits for trainers the swarm counted in its last epoch but whose
+# progress records show no part in it: such a record lags behind a peer that caught up by loading the state
+# (hivemind does not report a peer that has not accumulated samples at the swarm's epoch)
+LAGGING_RECORD_GRACE_S = 3.0
 MAX_AGREEMENT_S = 1200.0
 
 
@@ -68,6 +72,7 @@ def _wait_for_followers(dht, run_id: str, peer_id: str, sha256: str, epoch: int,
     """
     synced: set[str] = set()
     not_followers = {peer_id} if finalizer is None else {peer_id, finalizer}
+    grace_deadline = min(settle_deadline, time.monotonic() + LAGGING_RECORD_GRACE_S)
     while time.monotonic() < deadline:
         excluded = banned()
         records = _final_records(dht, run_id)
@@ -79,8 +84,10 @@ def _wait_for_followers(dht, run_id: str, peer_id: str, sha256: str, epoch: int,
         others -= excluded | not_followers
         wanted = followers_wanted(expected_peers, {pid: p.epoch for pid, p in progress.items()}, synced, peer_id,
                                   not_followers, excluded, epoch)
-        enough = len(synced - not_followers) >= wanted or time.monotonic() > settle_deadline
-        if others <= synced and enough:
+        now = time.monotonic()
+        if others <= synced and enough_followers(len(synced - not_followers), wanted,
+                                                 expected_peers - len(not_followers) - len(excluded),
+                                                 past_grace=now > grace_deadline, past_settle=now > settle_deadline):
             return True
         time.sleep(POLL_S)
     logger.warning("%d peers did not take the final state in time",
@@ -101,6 +108,17 @@ def followers_wanted(expected_peers: int, progress_epochs: dict[str, int], synce
         in_the_last_round = {pid for pid, peer_epoch in progress_epochs.items() if peer_epoch >= epoch - 1}
         wanted = min(wanted, len((in_the_last_round | synced) - not_followers - excluded))
     return wanted
+
+
+def enough_followers(synced: int, wanted: int, counted: int, past_grace: bool, past_settle: bool) -> bool:
+    """Whether ``synced`` followers are enough to stop serving the final state (the peers seen meanwhile aside):
+    the ``wanted`` ones (:func:`followers_wanted`), and the ``counted`` ones (the trainers the swarm counted in
+    its last epoch, less the banned) until ``LAGGING_RECORD_GRACE_S`` is past; any number once the settle time is.
+    (A finalizer that found no follower by the progress records left at once, and a trainer whose record lagged
+    two epochs behind, having caught up by loading the state, stored its candidate record a second later.)"""
+    if past_settle:
+        return True
+    return synced >= wanted and (synced >= counted or past_grace)
 
 
 def still_in_the_last_round(progress_epochs: dict[str, int], excluded: set[str], epoch: int) -> set[str]:
