@@ -6,8 +6,6 @@ from __future__ import annotations
 import socket
 import time
 
-import pytest
-
 from swarm_helpers import geotrain
 
 BAD_INPUT = 2

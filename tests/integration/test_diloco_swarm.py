@@ -36,7 +36,7 @@ def test_a_trainer_frozen_for_a_round_takes_the_majoritys_outer_state_and_all_en
     common = [*FAST_SWARM, *mode, "--max-epochs", str(EPOCHS), "--lr", "0.01", "--wait-for-peers", "3"]
     trainers = {name: swarm.start_trainer(name, *common, "--data-seed", str(seed))
                 for seed, name in enumerate(("a", "b", "c"), start=1)}
-    (first, first_events), (frozen, frozen_events) = trainers["a"], trainers["b"]
+    (_, first_events), (frozen, frozen_events) = trainers["a"], trainers["b"]
     wait_for(lambda: last_epoch(frozen_events) >= 2, 240, "the swarm's second outer round")
 
     epoch_frozen = last_epoch(frozen_events)
