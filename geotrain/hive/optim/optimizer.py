@@ -92,8 +92,10 @@ class RecordingStateAverager(TrainingStateAverager):
         """Serve the state as it is now from here on, with ``parameters`` (the model's, whose hash this peer
         announces) in place of the optimizer's copy. hivemind serves that copy, and a state round that found its
         group just as it was given up still averages into it in place (hivemind's round does not stop for a
-        cancel once its group has formed): what the end-of-run agreement's followers download must not change."""
-        metadata, tensors, *rest = self.get_current_state()
+        cancel once its group has formed): what the end-of-run agreement's followers download must not change.
+        (hivemind's state, not what the guard lets out: a guard in the bases withholds a non-finite state, this one
+        included, on each download.)"""
+        metadata, tensors, *rest = super().get_current_state()
         tensors = [tensor.detach().clone() for tensor in tensors]
         for index, parameter in enumerate(parameters):
             tensors[index] = parameter.detach().cpu().clone()
