@@ -114,8 +114,8 @@ def enough_followers(synced: int, wanted: int, counted: int, past_grace: bool, p
     """Whether ``synced`` followers are enough to stop serving the final state (the peers seen meanwhile aside):
     the ``wanted`` ones (:func:`followers_wanted`), and the ``counted`` ones (the trainers the swarm counted in
     its last epoch, less the banned) until ``LAGGING_RECORD_GRACE_S`` is past; any number once the settle time is.
-    (A finalizer that found no follower by the progress records left at once, and a trainer whose record lagged
-    two epochs behind, having caught up by loading the state, stored its candidate record a second later.)"""
+    (Without the count, a finalizer that finds no follower by the progress records leaves at once, while a trainer
+    that caught up by loading the state, its record older than the last round, stores its candidate record later.)"""
     if past_settle:
         return True
     return synced >= wanted and (synced >= counted or past_grace)
