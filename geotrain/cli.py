@@ -3,6 +3,7 @@
     geotrain local --peers 3 --task cv --epochs 5        # a whole swarm on this machine
     geotrain coordinator --host 0.0.0.0 --port 31337     # the bootstrap peer on a durable VM
     geotrain peer --initial-peers /ip4/.../p2p/Qm...     # a trainer on any VM
+    geotrain doctor --initial-peers /ip4/.../p2p/Qm...   # will a peer here join and be reachable?
     geotrain status --initial-peers /ip4/.../p2p/Qm...   # a live table of the swarm
     geotrain plan --profile convnext_large --budget-usd-per-hour 10
     geotrain lab up --topology C                         # emulated regions on this machine (root)
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -202,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--prometheus-scrape-interval", type=float, default=None, metavar="SECONDS",
                        help="how often Prometheus scrapes the peers (default 5)")
 
+    doctor = commands.add_parser("doctor", help="check, before training, that a peer with these flags joins and "
+                                                "can be dialled (takes `geotrain peer`'s flags)")
+    _add_common(doctor)
+    _add_config_flags(doctor, SWARM_FLAGS)
+    _add_config_flags(doctor, TRAINING_FLAGS)
+    _add_config_flags(doctor, PEER_FLAGS)
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
+
     status = commands.add_parser("status", help="a live table of the swarm's peers, from the DHT (joins as a client)")
     _add_common(status)
     _add_config_flags(status, STATUS_FLAGS)
@@ -305,6 +315,18 @@ def run_status_command(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+def run_doctor(args: argparse.Namespace) -> int:
+    config = config_from_args(args, [SWARM_FLAGS, TRAINING_FLAGS, PEER_FLAGS])
+    if not config.swarm.initial_peers:
+        raise ConfigError("--initial-peers: give the address of a peer of the swarm (the coordinator prints it)")
+    from geotrain.doctor import examine, exit_code, findings_json, format_report  # hivemind
+
+    stopper = Stopper().install_signal_handlers()
+    findings = examine(config, stopper.stop)
+    print(json.dumps(findings_json(findings)) if args.json else format_report(findings), flush=True)
+    return exit_code(findings)
+
+
 def run_identity(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
     from geotrain.hive.dht.identity import peer_id_of  # hivemind
@@ -313,7 +335,8 @@ def run_identity(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-HANDLERS = {"peer": run_peer, "coordinator": run_coordinator, "local": run_local, "status": run_status_command}
+HANDLERS = {"peer": run_peer, "coordinator": run_coordinator, "local": run_local, "status": run_status_command,
+            "doctor": run_doctor}
 
 
 def main(argv: list[str] | None = None, *, embedded: bool = False) -> int:
@@ -335,7 +358,7 @@ def main(argv: list[str] | None = None, *, embedded: bool = False) -> int:
             for number, previous in handlers.items():
                 signal.signal(number, previous)
     code = _run_handler(handler, args)
-    if args.command in ("peer", "coordinator", "status"):
+    if args.command in ("peer", "coordinator", "status", "doctor"):
         # hivemind's objects can crash the interpreter's teardown after their processes are gone;
         # everything worth keeping is flushed, so leave without running it.
         logging.shutdown()

@@ -72,3 +72,11 @@ def multiaddr_problem(address: str) -> str | None:
     if protocols[-1] != "p2p":
         return "it does not end with /p2p/PEER_ID"
     return None
+
+
+def split_peer_address(address: str) -> tuple[str, int, str]:
+    """(host, TCP port, peer id) of an address that :func:`multiaddr_problem` accepts."""
+    parts = address.split("/")
+    values = dict(zip(parts[1::2], parts[2::2]))
+    host = next(values[name] for name in ("ip4", "ip6", "dns", "dns4", "dns6") if name in values)
+    return host, int(values["tcp"]), values["p2p"]

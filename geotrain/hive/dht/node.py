@@ -29,6 +29,7 @@ from geotrain.processes import start_shared_memory_manager
 from geotrain.hive.dht.admission import (Admission, MembershipAnnouncer, SwarmTokenAuthorizer, load_allowed_peer_ids,
                                          load_swarm_token)
 from geotrain.hive.dht.metric_records import MetricsSchema
+from geotrain.hive.dht.reachability import serve_reachability_checks
 from geotrain.hive.dht.record_limits import RecordLimits
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ def start_dht(swarm: SwarmConfig, stop: threading.Event | None = None):
             _raise_if_stopped(stop)  # (finding out why takes a moment)
             raise SwarmUnreachableError(why) from None
         raise SwarmUnreachableError(f"could not start the DHT node: {message}") from None
+    serve_reachability_checks(dht)  # `geotrain doctor` of other peers asks how this one sees them
     if token is not None:
         announcer = MembershipAnnouncer(dht, admission)
         if not announcer.announce() and swarm.initial_peers:
