@@ -114,6 +114,9 @@ PEER_FLAGS = {
                          {"type": int, "metavar": "N",
                           "help": "before the first step, wait until N trainers (this one included) are in the swarm"}),
     "--threads": ("training.threads", {"type": int, "help": "torch CPU threads (default: torch's choice)"}),
+    "--known-peers-file": ("swarm.known_peers_file",
+                           {"metavar": "PATH", "help": "keep the peers seen here and, after a restart, join through "
+                                                       "them too (on a disk that survives the VM's restart)"}),
     "--initial-peers-file": ("swarm.initial_peers_file",
                              {"metavar": "PATH", "help": "wait for the file the coordinator's --initial-peers-file "
                                                          "writes and join through its addresses"}),

@@ -127,6 +127,10 @@ class SwarmConfig(_Strict):
     initial_peers_file: Path | None = Field(
         None, description="A trainer waits (up to bootstrap_timeout_s) for this file of addresses, written by "
                           "`geotrain coordinator --initial-peers-file`, and joins through them too.")
+    known_peers_file: Path | None = Field(
+        None, description="Keep the addresses of the peers this one is connected to here (rewritten every epoch) and "
+                          "join through them too after a restart: a trainer rejoins while the coordinator is down. "
+                          "A coordinator keeps them in STATE_DIR/known_peers.txt unless this is set.")
     host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 on a cloud VM.")
     port: int = Field(0, ge=0, le=65535, description="TCP port to listen on; 0 picks a free one.")
     announce_host: str | None = Field(None, description="Public address others dial (behind 1:1 NAT).")

@@ -30,7 +30,8 @@ import yaml
 from geotrain.checkpoint import CheckpointStore
 from geotrain.config import GeotrainConfig
 from geotrain.errors import SwarmUnreachableError, UserError
-from geotrain.hive.dht.node import connected_peer_addresses, start_dht, visible_addresses
+from geotrain.hive.dht.known_peers import joining_through, remember_peers
+from geotrain.hive.dht.node import start_dht, visible_addresses
 from geotrain.hive.dht.identity import check_identity_file
 from geotrain.hive.dht.keys import swarm_epoch_and_trainers
 from geotrain.hive.dht.metric_records import read_records
@@ -306,25 +307,21 @@ class Coordinator:
 
     @property
     def _known_peers_path(self) -> Path:
-        return self.state_dir / "known_peers.txt"
+        return self.config.swarm.known_peers_file or self.state_dir / "known_peers.txt"
 
     def _remember_peers(self, dht) -> None:
         """Keep the trainers' addresses: a restarted coordinator dials them to find its swarm again."""
-        addresses = connected_peer_addresses(dht)
-        if addresses:
-            temporary = self._known_peers_path.with_suffix(".tmp")
-            temporary.write_text("\n".join(addresses) + "\n")
-            temporary.rename(self._known_peers_path)
+        remember_peers(dht, self._known_peers_path)
 
     def _rejoin_or_start(self, swarm, stop=None):
         """After a restart the trainers do not dial the coordinator again: it dials the peers it knew."""
-        known = self._known_peers_path.read_text().split() if self._known_peers_path.exists() else []
-        if known:
+        known = joining_through(swarm.initial_peers, self._known_peers_path)
+        if len(known) > len(swarm.initial_peers):
             try:
-                return start_dht(swarm.model_copy(update={"initial_peers": swarm.initial_peers + known}), stop)
+                return start_dht(swarm.model_copy(update={"initial_peers": known}), stop)
             except SwarmUnreachableError:
                 logger.info("none of the %d peers seen before the restart answered; waiting for new ones",
-                            len(known))
+                            len(known) - len(swarm.initial_peers))
         return start_dht(swarm, stop)
 
     def _announce(self, visible: list[str], announce_host: str | None) -> None:

@@ -37,6 +37,7 @@ import torch
 from geotrain.compute import Compute, resolve_compute
 from geotrain.config import GeotrainConfig
 from geotrain.events import EventLog
+from geotrain.hive.dht.known_peers import joining_through, remember_peers
 from geotrain.hive.dht.node import start_dht, visible_addresses
 from geotrain.hive.state.finalize import agree_on_final_state
 from geotrain.hive.dht.keys import announce_trainer, announced_trainers, best_donor_epoch, read_progress
@@ -105,6 +106,7 @@ class Trainer:
         self.metrics = PeerMetrics(config.swarm.run_id, role="trainer", config=config.metrics)
         self.progress = PeerProgress()
         self.events = EventLog(None)
+        self._remember_peers = lambda: None  # with swarm.known_peers_file: keep the connected peers' addresses
 
     def run(self, stopper: Stopper) -> TrainerResult:
         """Prepare everything a user can get wrong (task, data, ports, files), then join and train."""
@@ -143,7 +145,12 @@ class Trainer:
             addresses = wait_for_initial_peers(config.swarm.initial_peers_file, config.swarm.bootstrap_timeout_s, stop)
             swarm = config.swarm.model_copy(update={"initial_peers": [*config.swarm.initial_peers, *addresses]})
             self.config = config = config.model_copy(update={"swarm": swarm})
-        dht = start_dht(config.swarm, stop)  # Ctrl-C while joining: StopRequested, exit 0
+        known_peers_file = config.swarm.known_peers_file
+        dht = start_dht(config.swarm.model_copy(update={  # Ctrl-C while joining: StopRequested, exit 0
+            "initial_peers": joining_through(config.swarm.initial_peers, known_peers_file)}), stop)
+        if known_peers_file is not None:
+            self._remember_peers = lambda: remember_peers(dht, known_peers_file)
+            self._remember_peers()
         peer_id = str(dht.peer_id)
         logger.info("joined swarm %r as %s (listening on %s); training on %s; data order seed %d",
                     config.swarm.run_id, peer_id, ", ".join(visible_addresses(dht)) or "client mode",
@@ -397,6 +404,7 @@ class Trainer:
                           granularity=None if math.isinf(totals.granularity) else totals.granularity,
                           peak_gpu_memory_bytes=peak_memory_bytes, fp16_overflows=totals.overflows,
                           learning_rate=learning_rate)
+        self._remember_peers()
         m = self.metrics
         m.data_seconds.inc(totals.data_s)
         m.set_optional(m.peak_gpu_memory, peak_memory_bytes)

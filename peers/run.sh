@@ -195,7 +195,8 @@ build_command() {
             # Nobody can dial a VM without a public address, but it can still dial out and train.
             command+=(--client-mode)
         fi
-        command+=(--identity "$state_dir/identity-$index.key")
+        # on the boot disk, like the identity: a restart rejoins through these peers while the coordinator is down
+        command+=(--identity "$state_dir/identity-$index.key" --known-peers-file "$state_dir/known-peers-$index.txt")
     fi
     command+=(--metrics-port "$peer_metrics_port" --metrics-host 0.0.0.0
         --region "${GEOTRAIN_REGION:-unknown}" --cloud "$GEOTRAIN_CLOUD" --instance-type "${GEOTRAIN_INSTANCE_TYPE:-unknown}")

@@ -140,6 +140,7 @@ def test_startup_script_announces_the_public_address_and_labels_from_metadata(cl
     assert not swarm.client_mode
     # the identity on the boot disk, which survives a spot stop: the peer id survives it too
     assert str(swarm.identity_path) == f"{STATE_DIR}/identity-0.key"
+    assert str(swarm.known_peers_file) == f"{STATE_DIR}/known-peers-0.txt"  # rejoins while the coordinator is down
     assert (metrics.port, metrics.host) == (9100, "0.0.0.0")
     assert (metrics.region, metrics.cloud, metrics.instance_type) == (vm["region"], cloud, vm["instance_type"])
     # preemption notices from this cloud's metadata service (the same one the script asked)

@@ -54,14 +54,28 @@ def test_checkpoints_survive_a_crash_and_a_swarm_that_lost_every_trainer(swarm):
     coordinator = start_coordinator(swarm, "coordinator-1")
     port = int(swarm.initial_peers[0].split("/tcp/")[1].split("/")[0])
     first, first_events = swarm.start_trainer("a", *SCHEDULED_SWARM, "--wait-for-peers", "2", "--data-seed", "1")
-    second, _ = swarm.start_trainer("b", *SCHEDULED_SWARM, "--wait-for-peers", "2", "--data-seed", "2")
+    known_peers = swarm.directory / "b-known-peers.txt"
+    second, _ = swarm.start_trainer("b", *SCHEDULED_SWARM, "--wait-for-peers", "2", "--data-seed", "2",
+                                    "--known-peers-file", str(known_peers))
     wait_for(lambda: CheckpointStore(store_dir).list(), 180, "the first checkpoint")
     first_checkpoint = CheckpointStore(store_dir).list()[0]
+    first_peer_id = next(e["peer_id"] for e in read_events(first_events) if e["event"] == "joined")
+    wait_for(lambda: first_peer_id in known_peers.read_text(), 30, "b to keep a's address in its known peers")
 
     # The coordinator goes down; trainers go on. It comes back with a crash injected into its next save.
     coordinator.send_signal(signal.SIGTERM)
     coordinator.wait(timeout=40)
     epoch_while_down = last_epoch(first_events)
+
+    # Meanwhile b's VM restarts: its only initial peer is the coordinator, which is down, and it rejoins through
+    # the peers it knew (--known-peers-file), loads a's state and trains with it.
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait()
+    second, second_events = swarm.start_trainer("b-restarted", *SCHEDULED_SWARM, "--data-seed", "2",
+                                                "--known-peers-file", str(known_peers))
+    wait_for(lambda: [e for e in read_events(second_events) if e["event"] == "epoch" and e["peers"] == 2], 120,
+             f"b to rejoin through a while the coordinator is down:\n{swarm.log('b-restarted')[-2000:]}")
+    assert coordinator.poll() is not None
     crashing = start_coordinator(swarm, "coordinator-2", port=port, crash=True)
     crashing.wait(timeout=180)
     assert crashing.returncode == CRASH_EXIT_CODE, swarm.log("coordinator-2")[-3000:]
