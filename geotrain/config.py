@@ -137,6 +137,10 @@ class SwarmConfig(_Strict):
     announce_port: int | None = Field(None, ge=1, le=65535, description="Public port, when it differs from port.")
     identity_path: Path | None = Field(None, description="Private key file; keeps the peer id across restarts.")
     client_mode: bool = Field(False, description="Dial out only (behind NAT without open ports).")
+    check_reachability: bool = Field(
+        True, description="After joining, a trainer asks an initial peer to connect back to the addresses it "
+                          "announces; if none connects (NAT, a closed port) it rejoins in client mode rather than be "
+                          "a peer the others dial in vain.")
     bootstrap_timeout_s: float = Field(30.0, gt=0, description="How long to wait for an initial peer to answer.")
     token_file: Path | None = Field(
         None, description="A private swarm: a file holding the swarm's secret token (or set GEOTRAIN_SWARM_TOKEN); "

@@ -80,15 +80,6 @@ def tcp_probe(host: str, port: int, timeout_s: float = TCP_TIMEOUT_S) -> tuple[f
         return None, error.strerror or str(error)
 
 
-def _addresses_of(dht) -> list[tuple[str, int]]:
-    found = []
-    for address in dht.get_visible_maddrs():
-        parts = str(address).split("/")
-        if len(parts) > 4 and parts[1] == "ip4" and parts[3] == "tcp" and (parts[2], int(parts[4])) not in found:
-            found.append((parts[2], int(parts[4])))
-    return found
-
-
 def examine(config: GeotrainConfig, stop=None) -> Findings:
     """Run the checks (this starts, and stops, a DHT node of this peer's)."""
     swarm = config.swarm
@@ -104,7 +95,7 @@ def examine(config: GeotrainConfig, stop=None) -> Findings:
         findings.join_problem = "no initial peer listens"
         return findings
     from geotrain.hive.dht.node import other_peer_ids, start_dht  # hivemind: only when there is a peer to ask
-    from geotrain.hive.dht.reachability import ask_reachability
+    from geotrain.hive.dht.reachability import announced_addresses, ask_reachability
 
     try:
         dht = start_dht(swarm, stop)
@@ -112,7 +103,7 @@ def examine(config: GeotrainConfig, stop=None) -> Findings:
         findings.join_problem = str(error)
         return findings
     try:
-        own = [] if swarm.client_mode else _addresses_of(dht)
+        own = [] if swarm.client_mode else announced_addresses(dht)
         ports = sorted({port for _, port in own})
         for check in findings.initial_peers:
             if check.tcp_problem is not None:

@@ -38,7 +38,7 @@ from geotrain.compute import Compute, resolve_compute
 from geotrain.config import GeotrainConfig
 from geotrain.events import EventLog
 from geotrain.hive.dht.known_peers import joining_through, remember_peers
-from geotrain.hive.dht.node import start_dht, visible_addresses
+from geotrain.hive.dht.node import start_dialable_dht, visible_addresses
 from geotrain.hive.state.finalize import agree_on_final_state
 from geotrain.hive.dht.keys import announce_trainer, announced_trainers, best_donor_epoch, read_progress
 from geotrain.hive.optim.leave import leave_swarm, stop_offering_state, withdraw_from_rounds
@@ -146,18 +146,22 @@ class Trainer:
             swarm = config.swarm.model_copy(update={"initial_peers": [*config.swarm.initial_peers, *addresses]})
             self.config = config = config.model_copy(update={"swarm": swarm})
         known_peers_file = config.swarm.known_peers_file
-        dht = start_dht(config.swarm.model_copy(update={  # Ctrl-C while joining: StopRequested, exit 0
+        dht, joined_as, reachability = start_dialable_dht(config.swarm.model_copy(update={  # Ctrl-C: exit 0
             "initial_peers": joining_through(config.swarm.initial_peers, known_peers_file)}), stop)
+        if joined_as.client_mode != config.swarm.client_mode:  # no one could dial it: it trains in client mode
+            swarm = config.swarm.model_copy(update={"client_mode": True})
+            self.config = config = config.model_copy(update={"swarm": swarm})
         if known_peers_file is not None:
             self._remember_peers = lambda: remember_peers(dht, known_peers_file)
             self._remember_peers()
         peer_id = str(dht.peer_id)
-        logger.info("joined swarm %r as %s (listening on %s); training on %s; data order seed %d",
-                    config.swarm.run_id, peer_id, ", ".join(visible_addresses(dht)) or "client mode",
+        logger.info("joined swarm %r as %s (listening on %s; %s); training on %s; data order seed %d",
+                    config.swarm.run_id, peer_id, ", ".join(visible_addresses(dht)) or "client mode", reachability,
                     compute.describe(), data_seed)
         parameters = sum(p.numel() for p in model.parameters())
         self.metrics.set_compute(str(compute.device), compute.precision)
         self.events.write("joined", peer_id=peer_id, metrics_port=metrics_port, parameters=parameters,
+                          reachability=reachability,
                           data_seed=data_seed, device=str(compute.device), precision=compute.precision)
 
         self.guard_report = GuardReport(config.training.events_path)

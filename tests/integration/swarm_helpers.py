@@ -186,14 +186,16 @@ def run_local(directory: Path, *arguments: str, timeout_s: float = 400) -> tuple
 
 
 def train_two(swarm: Swarm, run_id: str, *arguments: str, epochs: int, timeout_s: float = 240,
-              env: dict[str, str] | None = None) -> dict:
+              env: dict[str, str] | None = None, second_arguments: tuple[str, ...] = ()) -> dict:
     """Two trainers (data seeds 1 and 2) of a swarm of their own (``run_id``) next to ``swarm``'s coordinator,
-    from start to the end-of-run agreement after ``epochs``; what their events and logs say: exit codes, each
-    one's ``finished`` event, the swarm's loss per epoch (weighted by samples), averaging bytes per sample."""
+    from start to the end-of-run agreement after ``epochs`` (``second_arguments``: the second one's own flags);
+    what their events and logs say: exit codes, each one's events and ``finished`` event, the swarm's loss per
+    epoch (weighted by samples), averaging bytes per sample."""
     names = [f"{run_id}-{index}" for index in range(2)]
     started = [swarm.start_trainer(name, "--run-id", run_id, "--max-epochs", str(epochs), "--wait-for-peers", "2",
                                    "--data-seed", str(index + 1), "--set", "optimizer.group_size=2",  # rounds end
-                                   *arguments, env=env)                                          # once both are in
+                                   *arguments, *(second_arguments if index else ()),             # once both are in
+                                   env=env)
                for index, name in enumerate(names)]
     for process, _ in started:
         process.wait(timeout=timeout_s)
@@ -205,7 +207,8 @@ def train_two(swarm: Swarm, run_id: str, *arguments: str, epochs: int, timeout_s
         losses.append(sum(e["loss"] * e["samples"] for e in of_epoch) / max(1, sum(e["samples"] for e in of_epoch)))
     samples = sum(f["samples"] for f in finished if f is not None)
     averaging_bytes = sum(sum(f["averaging_payload_bytes"].values()) for f in finished if f is not None)
-    return {"exit_codes": [process.returncode for process, _ in started], "finished": finished, "losses": losses,
+    return {"exit_codes": [process.returncode for process, _ in started], "events": events, "finished": finished,
+            "losses": losses,
             "averaging_bytes_per_sample": averaging_bytes / samples if samples else math.nan,
             "logs": {name: swarm.log(name) for name in names}}
 

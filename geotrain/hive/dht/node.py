@@ -29,7 +29,7 @@ from geotrain.processes import start_shared_memory_manager
 from geotrain.hive.dht.admission import (Admission, MembershipAnnouncer, SwarmTokenAuthorizer, load_allowed_peer_ids,
                                          load_swarm_token)
 from geotrain.hive.dht.metric_records import MetricsSchema
-from geotrain.hive.dht.reachability import serve_reachability_checks
+from geotrain.hive.dht.reachability import check_dialable, serve_reachability_checks
 from geotrain.hive.dht.record_limits import RecordLimits
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,30 @@ def start_dht(swarm: SwarmConfig, stop: threading.Event | None = None):
                            announcer.interval_s)
         announcer.start()
     return dht
+
+
+def start_dialable_dht(swarm: SwarmConfig, stop: threading.Event | None = None):
+    """:func:`start_dht`, then (``swarm.check_reachability``) the reachability check: a peer that no initial peer
+    can connect back to rejoins in client mode. Returns the DHT, the swarm config it runs with and how it
+    stands ("dialable: ...", "client mode: ...", "not checked: ...")."""
+    dht = start_dht(swarm, stop)
+    if swarm.client_mode:
+        return dht, swarm, "client mode: swarm.client_mode is set"
+    if not swarm.check_reachability or not swarm.initial_peers:
+        return dht, swarm, "not checked: " + ("swarm.check_reachability is off" if swarm.initial_peers else
+                                               "no initial peers")
+    verdict = check_dialable(dht, swarm.initial_peers)
+    if verdict.dialable is None:
+        return dht, swarm, f"not checked: {verdict.reason}"
+    if verdict.dialable:
+        return dht, swarm, f"dialable: {verdict.reason}"
+    logger.warning("%s: the others could not dial this peer and would wait for it in vain; rejoining in client mode "
+                   "(it dials out, trains and contributes, but is never a state donor and reduces no part). "
+                   "`geotrain doctor` says what to open or announce", verdict.reason)
+    _stop_dht(dht)
+    _raise_if_stopped(stop)
+    client = swarm.model_copy(update={"client_mode": True})
+    return start_dht(client, stop), client, f"client mode: {verdict.reason}"
 
 
 def _raise_if_stopped(stop: threading.Event | None) -> None:

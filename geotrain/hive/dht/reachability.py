@@ -144,3 +144,43 @@ def ask_reachability(dht, peer_id: str, ports: list[int], timeout_s: float = 10.
         round_trip_s=raw["received_s"] - raw["sent_s"],
         clock_offset_s=clock_offset_s(raw["sent_s"], float(first["time"]), raw["received_s"]),
         dialed={int(port): outcome for port, outcome in second.get("dialed", {}).items()})
+
+
+def announced_addresses(dht) -> list[tuple[str, int]]:
+    """(host, port) of each IPv4 TCP address this peer gives the others to dial it."""
+    found = []
+    for address in dht.get_visible_maddrs():
+        host, port = _host_and_port(address)
+        if host is not None and port is not None and str(address).startswith("/ip4/") and (host, port) not in found:
+            found.append((host, port))
+    return found
+
+
+@dataclass
+class Dialability:
+    dialable: bool | None  # None: no initial peer answered the check
+    reason: str
+
+
+def check_dialable(dht, initial_peers: list[str], timeout_s: float = 5.0) -> Dialability:
+    """Whether the first initial peer that answers the check could connect to one of this peer's announced
+    addresses, where it sees this peer (it connects nowhere else)."""
+    announced = announced_addresses(dht)
+    for address in initial_peers:
+        peer_id = address.rsplit("/p2p/", 1)[-1]
+        try:
+            answer = ask_reachability(dht, peer_id, sorted({port for _, port in announced}), timeout_s)
+        except Exception as error:
+            logger.debug("%s did not answer the reachability check: %s", address, error)
+            continue
+        checked = [(host, port) for host, port in announced if host == answer.seen_host]
+        for host, port in checked:
+            if answer.dialed.get(port, "not dialled") is None:
+                return Dialability(True, f"{peer_id} connected to {host}:{port}")
+        if checked:
+            why = "; ".join(f"{host}:{port}: {answer.dialed.get(port, 'not dialled')}" for host, port in checked)
+        else:
+            why = (f"it sees this peer at {answer.seen_host}, which this peer does not announce "
+                   f"({', '.join(f'{host}:{port}' for host, port in announced) or 'no address'})")
+        return Dialability(False, f"{peer_id} could not connect to this peer ({why})")
+    return Dialability(None, "no initial peer answered the reachability check")

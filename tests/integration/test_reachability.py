@@ -1,13 +1,14 @@
-"""`geotrain doctor` against a live coordinator: what it says, before training, for a peer that would join and be
-reachable, and for each way one would not (a closed port, another peer at the address, an announced port no one
-can connect to, an announced address the swarm does not see it at). Verdicts in detail: tests/unit/test_doctor.py."""
+"""Reachability against a live coordinator: what `geotrain doctor` says, before training, for a peer that would join
+and be reachable, and for each way one would not (a closed port, another peer at the address, an announced port no
+one can connect to, an announced address the swarm does not see it at); and a trainer no one can dial, which
+trains in client mode. Verdicts in detail: tests/unit/test_doctor.py."""
 
 from __future__ import annotations
 
 import json
 
 from geotrain.ports import free_ports
-from swarm_helpers import geotrain
+from swarm_helpers import IDLE_SWARM, geotrain, run_report, train_two
 
 OTHER_PEER_ID = "QmbwQLybpb6T3zZhNuqy146pPqZUV3UksSSavHtEEFPLRU"  # a valid peer id that no peer here has
 
@@ -61,3 +62,23 @@ def test_no_initial_peer_listening_is_said_at_once_without_joining(run_cli):
     assert result.returncode == 3
     assert f"127.0.0.1:{closed}: nothing listens there" in result.stdout
     assert "join: FAIL no initial peer listens" in result.stdout
+
+
+def test_a_trainer_no_one_can_dial_rejoins_in_client_mode_trains_and_contributes(bootstrap_coordinator):
+    [unreachable] = free_ports(1)  # what it announces: nothing listens there, as behind a NAT or a closed port
+    run = train_two(bootstrap_coordinator, "unreachable", *IDLE_SWARM, epochs=2,
+                    second_arguments=("--announce-host", "127.0.0.1", "--announce-port", str(unreachable)))
+    logs = run_report(run)
+    assert run["exit_codes"] == [0, 0], logs
+    dialable, hidden = ([e for e in events if e["event"] == "joined"][0]["reachability"] for events in run["events"])
+    assert dialable.startswith("dialable: "), dialable
+    assert hidden.startswith("client mode: ") and f"127.0.0.1:{unreachable}: Connection refused" in hidden, hidden
+    assert "rejoining in client mode" in run["logs"]["unreachable-1"]
+    finished = run["finished"]
+    assert all(f is not None and f["epoch"] == 2 for f in finished), logs
+    assert finished[0]["params_sha256"] == finished[1]["params_sha256"], logs
+    # it contributed: the dialable trainer reduced every round and received the client's gradients for it (in a
+    # round without the client it would have received nothing); the client reduced no part
+    assert finished[1]["samples"] > 0, finished[1]
+    assert finished[0]["averaging_payload_bytes"]["received"] > 0, finished[0]
+    assert finished[1]["averaging_payload_bytes"] == {"received": 0, "sent": 0}, finished[1]
