@@ -6,7 +6,7 @@
 
 Modules: ``topology`` (the YAML format and the shipped [EMJ24] setups), ``network`` (namespaces,
 veth links, TUN device, policy routing; up and down), ``relay`` (the userspace delay line with
-per-pair rate limits), ``bench`` (``geotrain bench``: a swarm in the lab, measured next to the
+per-pair rate limits), ``nat`` (the NAT gateway of a region behind NAT, in the relay), ``bench`` (``geotrain bench``: a swarm in the lab, measured next to the
 planner's prediction) and ``command`` (the CLI). Importing this package loads neither torch nor
 hivemind: the lab launches peers through the CLI, like a user.
 """

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from geotrain.lab.nat import GATEWAY_HOST
 from geotrain.lab.topology import Topology, parse_topology
 from geotrain.processes import is_alive, terminate_tree
 
@@ -196,7 +197,8 @@ def _relay_links(topology: Topology) -> list[dict]:
 
 def _start_relay(names: LabNames, topology: Topology) -> int:
     names.relay_config_path.write_text(json.dumps({"tun": TUN_DEVICE, "links": _relay_links(topology),
-                                                   "stats": str(names.relay_stats_path)}, indent=1))
+                                                   "stats": str(names.relay_stats_path),
+                                                   "nat": [r.index for r in topology.regions if r.nat]}, indent=1))
     names.relay_log_path.write_text("")
     # The relay outlives this command, and geotrain stops every descendant of a command when it ends:
     # a shell starts it in the background and exits, so the relay is nobody's child.
@@ -265,6 +267,8 @@ def _build(names: LabNames, topology: Topology, mtu: int) -> dict:
         _ip("route", "add", "default", "via", gateway, namespace=namespace)
         regions[region.name] = {"namespace": namespace, "address": address, "index": region.index,
                                 "peers": region.peers}
+        if region.nat:  # the address the other regions see its peers at (geotrain.lab.nat)
+            regions[region.name]["nat_gateway"] = subnet_address(region.index, GATEWAY_HOST)
     relay_pid = _start_relay(names, topology)
     return {"lab": names.lab, "topology": topology.to_dict(), "topology_source": topology.source, "mtu": mtu,
             "hub": hub, "regions": regions, "relay_pid": relay_pid, "created": time.time()}

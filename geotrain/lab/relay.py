@@ -12,6 +12,10 @@ arrives ``latency`` after that. A packet that would wait in the queue longer tha
 (one round trip at the link's rate, at least ``MIN_QUEUE_S``) is dropped, as a router's full buffer
 would, so TCP finds the link's rate instead of filling an endless queue.
 
+A region behind NAT (``nat: true`` in the topology) has its packets translated here too, before their delay, as
+its NAT gateway would (geotrain.lab.nat): outbound ones get the gateway's address, and unsolicited inbound ones
+are dropped.
+
 Started by ``geotrain lab up`` inside the hub namespace::
 
     ip netns exec gtlab-hub python -m geotrain.lab.relay --config /run/geotrain/gtlab.relay.json
@@ -34,6 +38,8 @@ import struct
 import sys
 import time
 from pathlib import Path
+
+from geotrain.lab.nat import NatGateway
 
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
@@ -76,19 +82,37 @@ def build_pipes(links: list[dict]) -> dict[tuple[int, int], Pipe]:
     return pipes
 
 
-def write_stats(path: Path | None, pipes: dict[tuple[int, int], Pipe], started: float) -> None:
+def write_stats(path: Path | None, pipes: dict[tuple[int, int], Pipe], started: float,
+                gateways: dict[int, NatGateway] | None = None) -> None:
     if path is None:
         return
     stats = {"uptime_s": time.monotonic() - started,
              "pipes": {f"{a}->{b}": {"packets": p.packets, "bytes": p.bytes, "drops": p.drops}
-                       for (a, b), p in pipes.items()}}
+                       for (a, b), p in pipes.items()},
+             "nat": {str(index): {"translated": gateway.translated, "dropped": gateway.dropped}
+                     for index, gateway in (gateways or {}).items()}}
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(stats))
     temporary.replace(path)
 
 
-def serve(fd: int, pipes: dict[tuple[int, int], Pipe], stats_path: Path | None = None) -> None:
-    """Relay packets until SIGTERM/SIGINT. Packets of unknown pairs are passed on without delay."""
+def translate(packet: bytes, gateways: dict[int, NatGateway]) -> bytes | None:
+    """``packet`` between two regions as it leaves a region behind NAT and as it enters one; None: dropped."""
+    source, destination = gateways.get(packet[14]), gateways.get(packet[18])
+    if (source is None and destination is None) or packet[14] == packet[18]:
+        return packet
+    translated: bytearray | None = bytearray(packet)
+    if source is not None:
+        translated = source.outgoing(translated)
+    if translated is not None and destination is not None:
+        translated = destination.incoming(translated)
+    return None if translated is None else bytes(translated)
+
+
+def serve(fd: int, pipes: dict[tuple[int, int], Pipe], stats_path: Path | None = None,
+          gateways: dict[int, NatGateway] | None = None) -> None:
+    """Relay packets until SIGTERM/SIGINT. Packets of unknown pairs are passed on without delay. ``gateways``:
+    the NAT gateway of each region behind NAT (geotrain.lab.nat), by region index."""
     running = [True]
 
     def stop(*_):
@@ -118,6 +142,10 @@ def serve(fd: int, pipes: dict[tuple[int, int], Pipe], stats_path: Path | None =
                 if len(packet) < 20 or packet[0] >> 4 != 4 or packet[12:14] != SUBNET_PREFIX \
                         or packet[16:18] != SUBNET_PREFIX:
                     continue  # not between two lab regions (IPv6 is off in the lab)
+                if gateways:
+                    packet = translate(packet, gateways)
+                    if packet is None:
+                        continue
                 pipe = pipes.get((packet[14], packet[18]))
                 if pipe is None:
                     write(fd, packet)
@@ -138,21 +166,22 @@ def serve(fd: int, pipes: dict[tuple[int, int], Pipe], stats_path: Path | None =
             except OSError:
                 pass  # the kernel refused one packet (e.g. no route during teardown): a loss, as on a wire
         if now >= next_stats:
-            write_stats(stats_path, pipes, started)
+            write_stats(stats_path, pipes, started, gateways)
             next_stats = now + STATS_EVERY_S
-    write_stats(stats_path, pipes, started)
+    write_stats(stats_path, pipes, started, gateways)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="geotrain lab delay relay (started by `geotrain lab up`)")
-    parser.add_argument("--config", type=Path, required=True, help="JSON: {tun, links, stats}")
+    parser.add_argument("--config", type=Path, required=True, help="JSON: {tun, links, stats, nat}")
     args = parser.parse_args(argv)
     config = json.loads(args.config.read_text())
     fd = open_tun(config["tun"])
     pipes = build_pipes(config["links"])
     print("relay ready", flush=True)
     try:
-        serve(fd, pipes, Path(config["stats"]) if config.get("stats") else None)
+        gateways = {index: NatGateway(index) for index in config.get("nat", [])}
+        serve(fd, pipes, Path(config["stats"]) if config.get("stats") else None, gateways)
     finally:
         os.close(fd)
     return 0

@@ -10,6 +10,9 @@ A topology is a small YAML file::
       us-eu: {latency_ms: 51.55, bandwidth_mbit_s: 210}   # one-way latency; [EMJ24] Table 3
     within_region: {latency_ms: 0.325, bandwidth_mbit_s: 6800}   # optional, see below
 
+- A region with ``nat: true`` sits behind a NAT gateway (geotrain.lab.nat): its peers dial out, and the
+  others see them at the gateway's address and cannot dial them. Not the first region (the coordinator's).
+
 - ``latency_ms`` is the one-way delay; a round trip between the two regions takes twice as long.
 - ``bandwidth_mbit_s`` is the rate of each direction of the pair (a single link per direction).
 - ``within_region`` describes the link between two VMs of one region. The lab does not emulate it
@@ -64,6 +67,7 @@ class Region:
     peers: int
     index: int  # 1-based position in the file; the lab's subnet 10.77.<index>.0/24
     continent: str = ""
+    nat: bool = False  # behind a NAT gateway: its peers cannot be dialled from the other regions
 
 
 @dataclass
@@ -119,7 +123,8 @@ class Topology:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "regions": {r.name: {"peers": r.peers, **({"continent": r.continent} if r.continent else {})}
+            "regions": {r.name: {"peers": r.peers, **({"continent": r.continent} if r.continent else {}),
+                                 **({"nat": True} if r.nat else {})}
                         for r in self.regions},
             "links": {f"{sorted(pair)[0]}-{sorted(pair)[1]}": link.to_dict() for pair, link in self.links.items()},
             **({"within_region": self.within_region.to_dict()} if self.within_region else {}),
@@ -163,14 +168,21 @@ def _regions(data: Any, where: str) -> list[Region]:
         spec = {} if spec is None else spec
         if not isinstance(spec, dict):
             raise TopologyError(f"{where}: region {name!r} must be a mapping like {{peers: 2}}, got {spec!r}")
-        unknown = sorted(set(spec) - {"peers", "continent"})
+        unknown = sorted(set(spec) - {"peers", "continent", "nat"})
         if unknown:
             raise TopologyError(f"{where}: region {name!r} has unknown key(s) {', '.join(map(str, unknown))}; "
-                                "expected peers and continent")
+                                "expected peers, continent and nat")
+        nat = spec.get("nat", False)
+        if not isinstance(nat, bool):
+            raise TopologyError(f"{where}: region {name!r}: nat is {nat!r}; expected true or false")
+        if nat and index == 1:
+            raise TopologyError(f"{where}: region {name!r} is the first region, which holds the coordinator that "
+                                "every peer dials; it cannot be behind NAT (put another region first)")
         peers = spec.get("peers", 1)
         if isinstance(peers, bool) or not isinstance(peers, int) or peers < 0:
             raise TopologyError(f"{where}: region {name!r}: peers is {peers!r}; expected a whole number >= 0")
-        regions.append(Region(name=name, peers=peers, index=index, continent=str(spec.get("continent", ""))))
+        regions.append(Region(name=name, peers=peers, index=index, continent=str(spec.get("continent", "")),
+                              nat=nat))
     return regions
 
 

@@ -4,6 +4,8 @@
     python netprobe.py rtt --host 10.77.2.2 --port 9000 --count 40       # prints {"rtt_ms": [...]}
     python netprobe.py tcp-sink --host 10.77.2.2 --port 9001 --seconds 8 --warmup 2   # prints {"mbit_s": ..}
     python netprobe.py tcp-source --host 10.77.2.2 --port 9001 --seconds 9
+    python netprobe.py tcp-whoami --host 10.77.1.2 --port 9002           # tells each client where it sees it
+    python netprobe.py tcp-ask --host 10.77.1.2 --port 9002              # prints {"answer": "HOST:PORT"} or {"error": ..}
 
 The sink counts the bytes that arrive after the warm-up (TCP's slow start) until the end of the
 measurement window: the goodput a user's transfer would see.
@@ -88,9 +90,27 @@ def tcp_source(host: str, port: int, seconds: float) -> None:
     client.close()
 
 
+def tcp_whoami(host: str, port: int) -> None:
+    server = socket.create_server((host, port))
+    print("ready", flush=True)
+    while True:
+        connection, (peer_host, peer_port) = server.accept()
+        connection.sendall(f"{peer_host}:{peer_port}\n".encode())
+        connection.close()
+
+
+def tcp_ask(host: str, port: int, timeout_s: float) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as client:
+            answer = client.makefile().readline().strip()
+        print(json.dumps({"answer": answer}), flush=True)
+    except OSError as error:
+        print(json.dumps({"error": type(error).__name__}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("udp-echo", "rtt", "tcp-sink", "tcp-source"))
+    parser.add_argument("mode", choices=("udp-echo", "rtt", "tcp-sink", "tcp-source", "tcp-whoami", "tcp-ask"))
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--count", type=int, default=30)
@@ -104,8 +124,12 @@ def main() -> None:
         rtt(args.host, args.port, args.count, args.interval)
     elif args.mode == "tcp-sink":
         tcp_sink(args.host, args.port, args.seconds, args.warmup)
-    else:
+    elif args.mode == "tcp-source":
         tcp_source(args.host, args.port, args.seconds)
+    elif args.mode == "tcp-whoami":
+        tcp_whoami(args.host, args.port)
+    else:
+        tcp_ask(args.host, args.port, args.seconds)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,14 @@ def test_setups_a_and_b():
     assert b.link("us", "eu").rtt_ms == pytest.approx(103.1)
 
 
+def test_a_region_behind_nat_is_kept_through_the_labs_state():
+    data = {"regions": {"us": {"peers": 1}, "home": {"peers": 1, "nat": True}},
+            "links": {"us-home": {"latency_ms": 5, "bandwidth_mbit_s": 100}}}
+    topology = parse_topology(data, "lab.yaml")
+    assert [region.nat for region in topology.regions] == [False, True]
+    assert parse_topology(topology.to_dict(), "state").regions[1].nat is True
+
+
 def test_setup_spreads_peers_evenly_like_emj24():
     assert [r.peers for r in load_topology("C").with_peers(8).regions] == [2, 2, 2, 2]
     assert [r.peers for r in load_topology("C").with_peers(6).regions] == [2, 2, 1, 1]
@@ -63,6 +71,10 @@ def test_setup_spreads_peers_evenly_like_emj24():
     ({"regions": {"us": {}, "eu": {}}, "links": {"us-eu": {"latency_ms": 1}}}, r"bandwidth_mbit_s is missing"),
     ({"regions": {"us": {}, "eu": {}}, "links": {"us-eu": {"latency_ms": 1, "bandwidth_mbit_s": 1, "rtt": 2}}},
      r"unknown key\(s\) rtt"),
+    ({"regions": {"us": {}, "eu": {"nat": "yes"}}, "links": {"us-eu": {"latency_ms": 1, "bandwidth_mbit_s": 1}}},
+     r"region 'eu': nat is 'yes'; expected true or false"),
+    ({"regions": {"us": {"nat": True}, "eu": {}}, "links": {"us-eu": {"latency_ms": 1, "bandwidth_mbit_s": 1}}},
+     r"region 'us' is the first region, which holds the coordinator"),
     ({"links": {}}, r"'regions' is missing"),
     ({"regions": {"us": {}}, "zones": {}}, r"unknown key\(s\) zones"),
     (["us", "eu"], r"expected a mapping with regions and links"),

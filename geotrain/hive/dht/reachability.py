@@ -180,7 +180,10 @@ def check_dialable(dht, initial_peers: list[str], timeout_s: float = 5.0) -> Dia
         if checked:
             why = "; ".join(f"{host}:{port}: {answer.dialed.get(port, 'not dialled')}" for host, port in checked)
         else:
+            tried = "; ".join(f"{answer.seen_host}:{port}: {answer.dialed.get(port) or 'connected'}"
+                              for port in sorted({port for _, port in announced}))
             why = (f"it sees this peer at {answer.seen_host}, which this peer does not announce "
-                   f"({', '.join(f'{host}:{port}' for host, port in announced) or 'no address'})")
+                   f"({', '.join(f'{host}:{port}' for host, port in announced) or 'no address'})"
+                   + (f"; there: {tried}" if tried else ""))
         return Dialability(False, f"{peer_id} could not connect to this peer ({why})")
     return Dialability(None, "no initial peer answered the reachability check")
