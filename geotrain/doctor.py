@@ -203,8 +203,9 @@ def problems(findings: Findings) -> list[str]:
         fixed = ("; give a fixed --port first (0 picks another free port at each start)"
                  if findings.port_setting == 0 and not all(_is_loopback(a.host) for a in findings.addresses) else "")
         found.append(f"no other peer can dial this one (it announces {announced}; the swarm sees it at "
-                     f"{seen_host}): {change}{fixed}; or --client-mode, to train dialling out only (such a peer is "
-                     "never a state donor and reduces no part of the averaging)")
+                     f"{seen_host}): {change}{fixed}; or let it train dialling out only (--client-mode, which a trainer "
+                     "nobody can dial also takes by itself when it joins): it is then never a state donor and reduces "
+                     "no part of the averaging, and a coordinator must be dialable")
     return found
 
 

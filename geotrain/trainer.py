@@ -155,8 +155,10 @@ class Trainer:
             self._remember_peers = lambda: remember_peers(dht, known_peers_file)
             self._remember_peers()
         peer_id = str(dht.peer_id)
-        logger.info("joined swarm %r as %s (listening on %s; %s); training on %s; data order seed %d",
-                    config.swarm.run_id, peer_id, ", ".join(visible_addresses(dht)) or "client mode", reachability,
+        logger.info("joined swarm %r as %s (%s; %s); training on %s; data order seed %d",
+                    config.swarm.run_id, peer_id,
+                    "dialling out only" if config.swarm.client_mode
+                    else f"listening on {', '.join(visible_addresses(dht))}", reachability,
                     compute.describe(), data_seed)
         parameters = sum(p.numel() for p in model.parameters())
         self.metrics.set_compute(str(compute.device), compute.precision)
