@@ -51,8 +51,12 @@ def poisoned_averager_class(mode: str, events_path: Path | None) -> type:
 
     class RecordingGroups(GradientAverager):
         async def _aggregate_with_group(self, group_info, *args, **kwargs):
+            # each member's averaging mode (0 node, 1 client, 2 auxiliary) and bandwidth as it told the group:
+            # a member that reduces no part (client mode) receives no poison to refuse
+            told = [self.serializer.loads(data)[:2] for data in group_info.gathered]
             append_event(events_path, "averaging_group", peer_id=self.peer_id.to_base58(),
-                         peers=[peer.to_base58() for peer in group_info.peer_ids])
+                         peers=[peer.to_base58() for peer in group_info.peer_ids],
+                         modes=[mode for _, mode in told], bandwidths=[bandwidth for bandwidth, _ in told])
             return await super()._aggregate_with_group(group_info, *args, **kwargs)
 
     class NaNGradients(RecordingGroups):
