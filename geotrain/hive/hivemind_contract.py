@@ -89,7 +89,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_OPTIMIZER, "_make_state_averager", REPLACE, ("self", "kwargs"),
              "build geotrain's state averager class (hivemind's hard-codes TrainingStateAverager)"),
     Internal(_OPTIMIZER, "_make_progress_tracker", OVERRIDE, ("self", "target_batch_size", "kwargs"),
-             "DiLoCo's tracker, which counts a round in inner steps"),
+             "a tracker without the progress of banned peers (geotrain.hive.optim.progress); DiLoCo's also counts a "
+             "round in inner steps"),
     Internal(_OPTIMIZER, "_update_global_epoch", OVERRIDE, ("self", "grad_scaler"),
              "measure each round; DiLoCo's outer round in place of hivemind's step"),
     Internal(_OPTIMIZER, "_should_load_state_from_peers", OVERRIDE, ("self",),
@@ -115,7 +116,8 @@ INTERNALS: tuple[Internal, ...] = (
              "which gradients go uncompressed (the rest are in the feedback)"),
     # --- the progress tracker and the DHT (geotrain.hive.optim.diloco, optim.leave, dht.node) ------------------
     Internal("hivemind.optim.progress_tracker.ProgressTracker", "_parse_swarm_progress_data", OVERRIDE,
-             ("self", "metadata"), "DiLoCo: read the swarm's progress in inner steps"),
+             ("self", "metadata"), "leave out the records of banned peers; DiLoCo: read the swarm's progress in "
+             "inner steps"),
     Internal("hivemind.optim.progress_tracker.ProgressTracker", "_local_public_key", READ, None,
              "the subkey of this peer's progress record, removed when it leaves"),
     Internal("hivemind.p2p.p2p_daemon.P2P", "_client", READ, None,

@@ -68,6 +68,9 @@ class Lab:
     def up(self, topology_yaml: str) -> subprocess.CompletedProcess:
         path = self.directory / f"{self.name}.yaml"
         path.write_text(topology_yaml)
+        if any(leftovers(self.name).values()):  # a test run killed before its teardown left this test's lab up
+            down = self.down()
+            assert down.returncode == 0, f"the lab a killed run left up would not go down:\n{down.stderr}"
         result = geotrain("lab", "up", "--lab", self.name, "--topology", str(path))
         assert result.returncode == 0, f"lab up failed:\n{result.stdout}\n{result.stderr}"
         return result

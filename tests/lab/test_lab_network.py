@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from lab_helpers import NETPROBE, geotrain, lab_run, needs_lab, nothing_left
+from lab_helpers import NETPROBE, Lab, geotrain, lab_run, needs_lab, nothing_left
 from geotrain.lab.network import LabNames, namespace_pids, relay_pids
 
 pytestmark = needs_lab
@@ -38,16 +38,13 @@ EAST = "10.77.2.2"  # region 2 of the lab: 10.77.2.0/24
 @pytest.fixture(scope="module")
 def two_regions(tmp_path_factory):
     """One lab for the measurements of this module, taken down (and checked clean) at the end."""
-    lab = "gtlabtnet"
-    path = tmp_path_factory.mktemp("lab") / "two-regions.yaml"
-    path.write_text(TOPOLOGY)
+    lab = Lab("gtlabtnet", tmp_path_factory.mktemp("lab"))
     try:
-        result = geotrain("lab", "up", "--lab", lab, "--topology", str(path))
-        assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-        yield lab
+        lab.up(TOPOLOGY)
+        yield lab.name
     finally:
-        geotrain("lab", "down", "--lab", lab)
-        assert not nothing_left(lab), f"lab down left {nothing_left(lab)}"
+        lab.down()
+        assert not nothing_left(lab.name), f"lab down left {nothing_left(lab.name)}"
 
 
 def _serve(lab: str, region: str, *probe: str) -> subprocess.Popen:

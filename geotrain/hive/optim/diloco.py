@@ -62,6 +62,7 @@ from hivemind.optim.state_averager import (TrainingStateAverager, dump_optimizer
                                            load_optimizer_state)
 
 from geotrain.hive.averaging.rounds import averaging_round_result
+from geotrain.hive.optim.progress import GuardedProgressTracker
 from geotrain.hive.guard.step import all_finite, total_norm
 from geotrain.hive.optim.optimizer import MeasuredOptimizer, RecordingStateAverager
 
@@ -79,7 +80,7 @@ FINGERPRINT_VALUES = 64
 FINGERPRINT_TOLERANCE = 1e-3
 
 
-class RoundTracker(ProgressTracker):
+class RoundTracker(GuardedProgressTracker):
     """hivemind's progress tracker with a round of ``samples_per_trainer x trainers`` samples.
 
     hivemind counts only trainers that have reported samples (the coordinator never does), so the number
@@ -89,6 +90,7 @@ class RoundTracker(ProgressTracker):
     samples_per_trainer: int = 1
 
     def _parse_swarm_progress_data(self, metadata):
+        metadata = self.without_banned(metadata)  # a banned trainer's samples make no round here
         trainers = 0
         if isinstance(metadata, dict):
             trainers = sum(1 for record in metadata.values() if getattr(record, "value", None) is not None)

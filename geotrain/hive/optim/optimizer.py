@@ -16,6 +16,7 @@ import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from geotrain.hive.averaging.local_gradients import LocalGradientsKeepingAverager
@@ -24,6 +25,7 @@ from geotrain.hive.averaging.rounds import averaging_round_result, round_error
 from geotrain.hive.dht.keys import read_progress
 from geotrain.hive.averaging.handle_names import hivemind_handle_name
 from geotrain.hive.guard.report import GuardReport
+from geotrain.hive.optim.progress import GuardedProgressTracker
 from geotrain.hive.guard.step import StepGuard, all_finite, reset_statistics
 
 logger = logging.getLogger(__name__)
@@ -259,6 +261,14 @@ class MeasuredOptimizer(hivemind.Optimizer):
         self.state_averager_class = state_averager_class
         self.missed_round_check_s = missed_round_check_s  # how often a round looking for a group reads the progress
         super().__init__(*args, **kwargs)
+        report = getattr(self.state_averager, "guard_report", None)
+        if report is not None and isinstance(self.tracker, GuardedProgressTracker):
+            self.tracker.bans = report.bans  # the swarm's progress without the peers this one banned
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+        return GuardedProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                      client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
+                                      **kwargs)
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         # hivemind's construction (hivemind/optim/optimizer.py:283-298) with geotrain's class, which hivemind's
