@@ -17,7 +17,7 @@ It refuses and checks nothing: it steps with whatever the rounds bring, and shar
 trainer. It prints one JSON line ``{"hostile_peer_id": ..., "mode": ...}`` once it has joined, so that a
 test can look for its libp2p peer id in the honest peers' events, and trains until SIGTERM or SIGINT.
 With ``--events`` it writes a ``joined`` event and, for each gradient averaging group it takes part in,
-an ``averaging_group`` event with the group's peer ids (whom its poison reached).
+an ``averaging_group`` event with the group's peer ids and the weight it sent (whom its poison reached).
 """
 
 from __future__ import annotations
@@ -54,9 +54,12 @@ def poisoned_averager_class(mode: str, events_path: Path | None) -> type:
             # each member's averaging mode (0 node, 1 client, 2 auxiliary) and bandwidth as it told the group:
             # a member that reduces no part (client mode) receives no poison to refuse
             told = [self.serializer.loads(data)[:2] for data in group_info.gathered]
+            # and the weight it sends: 0 when hivemind's optimizer only tags along (a peer that has just loaded
+            # the state joins a scheduled round with no gradients of its own: no lie is told then)
             append_event(events_path, "averaging_group", peer_id=self.peer_id.to_base58(),
                          peers=[peer.to_base58() for peer in group_info.peer_ids],
-                         modes=[mode for _, mode in told], bandwidths=[bandwidth for bandwidth, _ in told])
+                         modes=[mode for _, mode in told], bandwidths=[bandwidth for bandwidth, _ in told],
+                         weight=kwargs.get("weight"))
             return await super()._aggregate_with_group(group_info, *args, **kwargs)
 
     class NaNGradients(RecordingGroups):
