@@ -112,6 +112,7 @@ def main() -> int:
     if up.returncode != 0:
         raise SystemExit(f"geotrain lab up failed:\n{up.stdout}\n{up.stderr}")
     results = []
+    summary = summarize(results)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped benchmark still takes its lab down
     try:
         with tempfile.TemporaryDirectory(prefix="geotrain-cold-starts-") as directory:
