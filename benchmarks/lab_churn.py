@@ -1,10 +1,12 @@
-"""The churn soak next to its baseline: one `geotrain bench --duration` without churn, then one with it.
+"""The churn soak next to its baseline: one soak (benchmarks/churn_soak.py) without churn, then one with it.
 
-    sudo python benchmarks/lab_churn.py --duration 600            # 30-40 min on 2 cores (300 s: 20 min)
-    sudo python benchmarks/lab_churn.py --duration 600 --churn 3 --churn-seed 7
+    sudo .venv/bin/python benchmarks/lab_churn.py --duration 600            # 30-40 min on 2 cores (300 s: 20 min)
+    sudo .venv/bin/python benchmarks/lab_churn.py --duration 600 --churn 3 --churn-seed 7
+    sudo .venv/bin/python benchmarks/lab_churn.py --duration 600 -- --time-scale 4   # passed to each soak
 
 Both runs are the same soak (setup, epochs, a coordinator that checkpoints on a fixed port; see
-geotrain/lab/churn.py); the second adds preemption notices at ``--churn`` per trainer per emulated hour, one
+benchmarks/churn_soak.py), each a `python -m benchmarks.churn_soak` process that brings the lab up and takes it
+down, one after the other; the second adds preemption notices at ``--churn`` per trainer per emulated hour, one
 SIGKILL and one coordinator restart. Writes ``benchmarks/results/lab_churn/{baseline,churn}.json``, draws
 ``lab_churn.png`` (epochs over time, both runs) and prints the markdown table of docs/state-transfer.md.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from geotrain.lab.churn import plot_soaks  # noqa: E402
+from benchmarks.churn_soak import plot_soaks  # noqa: E402
 
 
 def _number(value, digits: int = 1) -> str:
@@ -47,13 +49,15 @@ def summary_table(baseline: dict | None, churn: dict | None) -> str:
         counts = ", ".join(str(sum(d["kind"] == kind for d in done)) for kind in ("notice", "kill",
                                                                                   "coordinator_restart"))
         rate = m.get("swarm_samples_per_second")
+        lost = _number(100 * m["interruption_fraction"]) + "%" if m.get("interruption_fraction") is not None else "-"
         columns = []
 
         def worst(ratio_key: str) -> str:
             ratios = [r[ratio_key] for r in m["rejoins"] if r.get(ratio_key) is not None]
             return _number(max(ratios) if ratios else None, 2)
 
-        for time_key, ratio_key in (("to_contributing_s", "contributing_ratio"), ("to_first_epoch_s", "first_epoch_ratio")):
+        for time_key, ratio_key in (("to_contributing_s", "contributing_ratio"),
+                                    ("to_first_epoch_s", "first_epoch_ratio")):
             times = sorted(r[time_key] for r in m["rejoins"] if r.get(time_key) is not None)
             columns.append(f"{_number(times[len(times) // 2] if times else None)}, "
                            f"{_number(times[-1] if times else None)} | {worst(ratio_key)}")
@@ -62,7 +66,7 @@ def summary_table(baseline: dict | None, churn: dict | None) -> str:
         lines.append(
             f"| {name} | {result['churn']['rate_per_trainer_emulated_hour']:g} | {counts} | {_number(rate)} | "
             f"{_number(rate / base_rate, 2) if rate and base_rate else '-'} | "
-            f"{_number(100 * m['interruption_fraction']) + '%' if m.get('interruption_fraction') is not None else '-'} | "
+            f"{lost} | "
             f"{len(m['rejoins'])} | {' | '.join(columns)} | {_yes(m['epochs_monotonic'])} | "
             f"{_yes(m['checkpoints_kept'])} | {_yes(m['parameters']['identical'])} |")
     return "\n".join(lines)
@@ -87,9 +91,10 @@ def rejoin_table(churn: dict | None) -> str:
     return "\n".join(lines)
 
 
-def _bench(setup: str, duration_s: float, churn: float, seed: int, rejoin_delay_s: float, path: Path,
-           lab: str, run_dir: str, extra: list[str]) -> dict | None:
-    subprocess.run([sys.executable, "-m", "geotrain", "bench", "--setup", setup, "--duration", f"{duration_s:g}",
+def _soak(setup: str, duration_s: float, churn: float, seed: int, rejoin_delay_s: float, path: Path,
+          lab: str, run_dir: str, extra: list[str]) -> dict | None:
+    """One soak, `python -m benchmarks.churn_soak` from the repository root; its JSON, or None without one."""
+    subprocess.run([sys.executable, "-m", "benchmarks.churn_soak", "--setup", setup, "--duration", f"{duration_s:g}",
                     "--churn", f"{churn:g}", "--churn-seed", str(seed), "--rejoin-delay", f"{rejoin_delay_s:g}",
                     "--lab", lab, "--run-dir", run_dir, "--json", str(path), *extra], check=False, cwd=ROOT)
     return json.loads(path.read_text()) if path.exists() else None
@@ -106,15 +111,16 @@ def main() -> None:
     parser.add_argument("--lab", default="gtlabchurn")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "lab_churn")
     parser.add_argument("--skip-runs", action="store_true", help="only redraw the plot and the tables")
-    parser.add_argument("bench_arguments", nargs="*", help="passed to geotrain bench (after --)")
+    parser.add_argument("bench_arguments", nargs="*",
+                        help="passed to each soak, python -m benchmarks.churn_soak (after --)")
     args = parser.parse_args()
     args.results.mkdir(parents=True, exist_ok=True)
     results = {}
     for name, rate in (("baseline", 0.0), ("churn", args.churn)):
         path = args.results / f"{name}.json"
         if not args.skip_runs:
-            results[name] = _bench(args.setup, args.duration, rate, args.churn_seed, args.rejoin_delay, path,
-                                   args.lab, f"runs/lab-churn-{name}", args.bench_arguments)
+            results[name] = _soak(args.setup, args.duration, rate, args.churn_seed, args.rejoin_delay, path,
+                                  args.lab, f"runs/lab-churn-{name}", args.bench_arguments)
         elif path.exists():
             results[name] = json.loads(path.read_text())
     ran = [r for r in results.values() if r is not None]

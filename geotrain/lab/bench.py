@@ -71,7 +71,8 @@ class BenchError(ValueError):
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--setup", required=True,
-                        help=f"TOPOLOGY-PEERS, e.g. A-4, B-4, C-4 (shipped topologies: {', '.join(shipped_topologies())})")
+                        help=f"TOPOLOGY-PEERS, e.g. A-4, B-4, C-4 (shipped topologies: "
+                             f"{', '.join(shipped_topologies())})")
     parser.add_argument("--topology", help="topology YAML to use instead of the shipped one the setup names")
     parser.add_argument("--profile", default="convnext_large", help="planner profile whose model and GPU speed "
                                                                     "are emulated (default: %(default)s)")
@@ -83,8 +84,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="divide every duration by J: target batch and model size, latencies, the network "
                              "profile's matchmaking time, timeouts and periods (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per micro-step (default: %(default)s)")
-    parser.add_argument("--epochs", type=int, help=f"epochs to train (default: {DEFAULT_EPOCHS}; with --duration: "
-                                                   "as many as the duration holds without churn)")
+    parser.add_argument("--epochs", type=int, help=f"epochs to train (default: {DEFAULT_EPOCHS})")
     parser.add_argument("--warmup-epochs", type=int, default=1,
                         help="first epochs left out of the measurement: peers join (default: %(default)s)")
     parser.add_argument("--network-profile", choices=("loopback", "lan", "continent", "intercontinental"),
@@ -108,15 +108,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, metavar="PATH", help="draw the results as a PNG")
     parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                         help="stop the swarm after this long (default: %(default)s)")
-    soak = parser.add_argument_group("churn soak (geotrain/lab/churn.py, docs/lab.md#churn-soak)")
-    soak.add_argument("--duration", type=float, metavar="SECONDS",
-                      help="a soak: train about this long (epochs estimated from it), with --churn during it")
-    soak.add_argument("--churn", type=float, default=0.0, metavar="RATE",
-                      help="preemption notices per trainer per emulated hour (lab seconds x --time-scale); with one "
-                           "SIGKILL and one coordinator restart when > 0 (default: %(default)s, the baseline)")
-    soak.add_argument("--churn-seed", type=int, default=1, help="seed of the churn schedule (default: %(default)s)")
-    soak.add_argument("--rejoin-delay", type=float, default=10.0, metavar="SECONDS",
-                      help="a preempted trainer's replacement starts this long after it left (default: %(default)s)")
 
 
 # --- the setup -------------------------------------------------------------------------------------
@@ -411,11 +402,12 @@ def run_benchmark(args: argparse.Namespace) -> int:
     plan = plan_benchmark(args)
     network.require_lab_support("up")
     run_dir = prepare_run_dir(args.run_dir or Path("runs") / time.strftime(f"bench-{plan.setup}-%Y%m%d-%H%M%S"))
-    print(f"geotrain bench {plan.setup}: {plan.peers} trainers in {', '.join(f'{r.name} x{r.peers}' for r in plan.topology.regions)}; "
+    regions = ", ".join(f"{r.name} x{r.peers}" for r in plan.topology.regions)
+    print(f"geotrain bench {plan.setup}: {plan.peers} trainers in {regions}; "
           f"emulated {plan.preset} ({plan.parameters:,} parameters, {plan.samples_per_second_per_gpu:g} samples/s "
           f"per {plan.gpu}); target batch {plan.target_batch_size}; bandwidth / {plan.bandwidth_scale}, model / "
           f"{plan.bandwidth_scale * plan.time_scale}; logs in {run_dir}", flush=True)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that the finally below takes the lab down
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # so that the finally below takes the lab down
     network.up(plan.topology, args.lab)
     swarm = LabSwarm(plan, args.lab, run_dir)
     started = time.time()
@@ -444,7 +436,8 @@ def publish(args: argparse.Namespace, result: dict, text: str, plot) -> None:
         print(f"plot written to {args.plot}", flush=True)
 
 
-def _exit_on_sigterm(signum, frame):
+def exit_on_sigterm(signum, frame):
+    """A SIGTERM handler that raises SystemExit, so that a run's ``finally`` takes its lab down."""
     raise SystemExit(128 + signum)
 
 
@@ -500,11 +493,12 @@ def format_report(result: dict) -> str:
     if "swarm_samples_per_second" not in m:
         lines.append(f"no measurement: the swarm reached epoch {m['epochs_reached']} of {result['epochs']}")
         return "\n".join(lines)
+    planner_efficiency = p["samples_per_second"] / (result["peers"] * result["emulated"]["samples_per_second_per_gpu"])
     lines += [
         f"{'':<28} {'measured':>10} {'planner':>10}",
         f"{'swarm samples/s':<28} {number(m['swarm_samples_per_second']):>10} {number(p['samples_per_second']):>10}",
         f"{'per-peer efficiency':<28} {number(m['per_peer_efficiency'], 2):>10} "
-        f"{number(p['samples_per_second'] / (result['peers'] * result['emulated']['samples_per_second_per_gpu']), 2):>10}",
+        f"{number(planner_efficiency, 2):>10}",
         f"{'lab compute rate / emulated':<28} {number(m.get('lab_compute_efficiency'), 2):>10} {'':>10}",
         f"{'efficiency vs lab compute':<28} {number(m.get('efficiency_vs_lab'), 2):>10} {'':>10}",
         f"{'granularity':<28} {number(m['granularity'], 2):>10} {number(p['granularity'], 2):>10}",

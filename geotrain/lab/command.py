@@ -15,14 +15,13 @@ Errors an operator can fix print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
 from geotrain.errors import EXIT_BAD_INPUT
-from geotrain.lab import churn, network
-from geotrain.lab.bench import BenchError, add_bench_arguments, plan_benchmark, run_benchmark
+from geotrain.lab import network
+from geotrain.lab.bench import BenchError, add_bench_arguments, run_benchmark
 from geotrain.lab.network import DEFAULT_LAB, DEFAULT_MTU, LabError
 from geotrain.lab.topology import TopologyError, load_topology, shipped_topologies
 from geotrain.pricing.errors import InputFileError
@@ -92,7 +91,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"  {name:<8} {region['address']:<12} namespace {region['namespace']}, {region['peers']} peer(s)")
     for a, b, link in topology.used_links():
         if a != b:
-            print(f"  {a}-{b}: {link.latency_ms:g} ms one-way ({link.rtt_ms:g} ms RTT), {link.bandwidth_mbit_s:g} Mbit/s")
+            print(f"  {a}-{b}: {link.latency_ms:g} ms one-way ({link.rtt_ms:g} ms RTT), "
+                  f"{link.bandwidth_mbit_s:g} Mbit/s")
     print(f"run commands in a region with: geotrain lab run {topology.regions[0].name} -- COMMAND")
     return 0
 
@@ -154,11 +154,6 @@ def _region_command(args: argparse.Namespace) -> list[str]:
 
 def run_bench(args: argparse.Namespace) -> int:
     try:
-        if args.duration is not None:  # a soak: time-bounded, with trainers that come and go
-            plan = plan_benchmark(args)
-            if args.epochs is None:
-                plan = dataclasses.replace(plan, epochs=churn.soak_epochs(plan, args.duration))
-            return churn.run_soak(args, plan)
         return run_benchmark(args)
     except (LabError, TopologyError, BenchError, InputFileError) as error:
         _print_error("geotrain bench", error)

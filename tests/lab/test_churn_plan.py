@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.churn_soak import (END_GUARD_EPOCHS, KILL, NOTICE, REJOIN_ALLOWANCE_S, RESTART, ChurnError,
+                                   build_parser, checkpoint_problems, current_holders, epoch_problems,
+                                   expected_notices, main, measure_soak, nearest_donor_bound, plan_churn,
+                                   restored_checkpoint, soak_epochs, soak_plan)
 from geotrain.lab.bench import add_bench_arguments, plan_benchmark
-from geotrain.lab.churn import (END_GUARD_EPOCHS, KILL, NOTICE, REJOIN_ALLOWANCE_S, RESTART, ChurnError,
-                                checkpoint_problems, current_holders, epoch_problems, expected_notices,
-                                measure_soak, nearest_donor_bound, plan_churn, restored_checkpoint, soak_epochs)
 
 SLOTS = ["peer-1-us", "peer-2-eu", "peer-3-asia", "peer-4-aus"]
 
@@ -81,10 +82,41 @@ def test_bad_requests_are_explained(rate, duration_s, rejoin_delay_s, message):
 
 def test_soak_epochs_follow_the_duration():
     plan = _plan()
-    assert plan.epochs == 4  # without --duration, as before
+    assert plan.epochs == 4  # the bench's plan, without the soak's --duration
     short, long = soak_epochs(plan, 150), soak_epochs(plan, 600)
     assert long > short > plan.warmup_epochs + END_GUARD_EPOCHS
     assert 25 <= long - plan.warmup_epochs - END_GUARD_EPOCHS <= 40  # C-4 at time scale 8: 16-20 s per round
+
+
+def test_the_soak_takes_the_bench_setup_options_and_its_epochs_from_the_duration():
+    parser = build_parser()
+    args = parser.parse_args(["--setup", "C-4", "--time-scale", "4", "--lab", "gtlabsoak", "--duration", "600",
+                              "--churn", "2"])
+    plan = soak_plan(args)
+    assert (plan.setup, plan.time_scale, args.lab, args.churn) == ("C-4", 4, "gtlabsoak", 2.0)
+    assert plan.epochs == soak_epochs(plan_benchmark(args), 600)
+    assert soak_plan(parser.parse_args(["--setup", "C-4", "--duration", "600", "--epochs", "7"])).epochs == 7
+    with pytest.raises(SystemExit):  # a soak without --duration
+        parser.parse_args(["--setup", "C-4"])
+    bench = argparse.ArgumentParser()
+    add_bench_arguments(bench)
+    for soak_only in (["--duration", "600"], ["--churn", "2"], ["--churn-seed", "3"], ["--rejoin-delay", "5"]):
+        with pytest.raises(SystemExit):  # geotrain bench runs no soak
+            bench.parse_args(["--setup", "C-4", *soak_only])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--churn", "-1"], "--churn -1: expected notices per trainer per emulated hour, a number >= 0"),
+    (["--duration", "100", "--rejoin-delay", "30", "--churn", "2"],
+     "--duration 100 s is too short for --rejoin-delay 30 s"),
+    (["--duration", "nan"], "--duration nan: expected seconds > 0"),
+    (["--setup", "C4"], "--setup 'C4': expected TOPOLOGY-PEERS"),
+])
+def test_the_soak_refuses_a_request_that_cannot_run_with_one_line_and_exit_code_2(arguments, message, capsys):
+    argv = ["--setup", "C-4", "--duration", "600", *arguments]
+    assert main(argv) == 2  # before any lab is brought up: no root needed to be refused
+    err = capsys.readouterr().err
+    assert err.startswith("churn soak: ") and message in err and len(err.strip().splitlines()) == 1
 
 
 # --- the measurement, from hand-written events ----------------------------------------------------------
@@ -216,7 +248,8 @@ def test_a_lost_checkpoint_is_found():
     stale = checkpoint_problems(before, before, {"version": 1, "epoch": 2})
     assert stale and "not the newest, version 2" in stale[0]
     assert checkpoint_problems(before, before, None) != []
-    measured = _measure(_swarm(), before=before, after=[{"version": 1, "epoch": 2}], restored={"version": 2, "epoch": 4})
+    measured = _measure(_swarm(), before=before, after=[{"version": 1, "epoch": 2}],
+                        restored={"version": 2, "epoch": 4})
     assert measured["checkpoints_kept"] is False
     unfinished = measure_soak(_swarm(), _plan().topology, 1, before, before, None, restart_completed=False)
     assert unfinished["checkpoints_kept"] is False
@@ -241,7 +274,7 @@ def test_different_parameters_at_the_end_are_found():
 def test_an_incarnation_is_reported_without_its_process():
     import threading
 
-    from geotrain.lab.churn import Incarnation
+    from benchmarks.churn_soak import Incarnation
 
     class Running:  # what subprocess.Popen holds: a lock, which cannot be copied into a report
         lock = threading.Lock()

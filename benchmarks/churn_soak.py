@@ -1,13 +1,18 @@
-"""The churn soak: `geotrain bench --duration SECONDS --churn RATE`, spot VMs that come and go in the lab.
+"""The churn soak: a lab swarm (geotrain.lab.bench) that trains while spot VMs come and go.
 
-    sudo geotrain bench --setup C-4 --duration 600 --churn 2 --json soak.json --plot soak.png
+An experiment harness, not a geotrain command. Run it from the repository root, as root (the lab's namespaces):
 
-A soak is a lab swarm (geotrain.lab.bench) that trains for about ``--duration`` seconds while the bench
-does to its trainers what spot clouds do:
+    sudo .venv/bin/python -m benchmarks.churn_soak --setup C-4 --duration 600 --churn 2 --json soak.json
+    sudo .venv/bin/python benchmarks/lab_churn.py --duration 600     # the baseline, then churn, side by side
+
+It takes every setup option of ``geotrain bench`` (``--setup``, ``--profile``, ``--time-scale``, ``--lab``,
+``--json``, ``--plot``, ...: :func:`geotrain.lab.bench.add_bench_arguments`) and its own: ``--duration``,
+``--churn``, ``--churn-seed`` and ``--rejoin-delay``. The swarm trains for about ``--duration`` seconds while the
+soak does to its trainers what spot clouds do:
 
 - **Preemption notices.** ``--churn RATE`` is notices per trainer per emulated hour (lab seconds times
   ``--time-scale``; the study's hour). A seeded schedule (``--churn-seed``) spreads them over the run and
-  picks the trainer; the bench sends that trainer SIGTERM (the trainer leaves the swarm cleanly, as on a
+  picks the trainer; the soak sends that trainer SIGTERM (the trainer leaves the swarm cleanly, as on a
   cloud's notice) and, ``--rejoin-delay`` seconds after it has exited, starts a new trainer process in the
   same region with the same arguments (a restarted spot VM) and its own events file (``peer-3-eu.r1.jsonl``).
   That trainer loads the swarm's state from a donor before it trains.
@@ -26,7 +31,9 @@ alive at the end agree on one final state. A soak without churn (``--churn 0``) 
 What it measures (:func:`measure_soak`, a pure function of the parsed events): swarm samples/s over the
 run, every rejoin's seconds from the new process's start to its state load and to its first contributed
 epoch next to the transfer bound from the nearest donor, epochs that go backwards, checkpoints lost over the
-coordinator's restart, and whether the trainers alive at the end hold identical parameters.
+coordinator's restart, and whether the trainers alive at the end hold identical parameters. It exits 0 when
+the soak completed and every check held, 1 otherwise, and 2 (one line on stderr) for a request that cannot
+run. docs/lab.md#churn-soak describes it in full.
 """
 
 from __future__ import annotations
@@ -38,15 +45,19 @@ import os
 import random
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
+from geotrain.errors import EXIT_BAD_INPUT, EXIT_SWARM_UNREACHABLE
 from geotrain.events import read_events
 from geotrain.lab import network
-from geotrain.lab.bench import BenchError, BenchPlan, LabSwarm, _exit_on_sigterm, prepare_run_dir, publish
-from geotrain.lab.topology import Topology
-from geotrain.errors import EXIT_SWARM_UNREACHABLE
+from geotrain.lab.bench import (BenchError, BenchPlan, LabSwarm, add_bench_arguments, exit_on_sigterm,
+                                plan_benchmark, prepare_run_dir, publish)
+from geotrain.lab.network import LabError
+from geotrain.lab.topology import Topology, TopologyError
 from geotrain.launcher import COORDINATOR, STOP_GRACE_S, LaunchError, PeerProcess
+from geotrain.pricing.errors import InputFileError
 
 NOTICE, KILL, RESTART = "notice", "kill", "coordinator_restart"
 EMULATED_HOUR_S = 3600.0
@@ -148,8 +159,8 @@ def plan_churn(slots: list[str], rate_per_trainer_hour: float, duration_s: float
     for at_s, kind in sorted(trainer_events):
         at_s = max(at_s, last_s, min(free_at_s.values()))
         if at_s > window_s:
-            raise ChurnError(f"--churn {rate_per_trainer_hour:g}: with --churn-seed {seed} its {count} notices fall too "
-                             f"close together for {len(slots)} trainers that are down about {down_s:g} s each time "
+            raise ChurnError(f"--churn {rate_per_trainer_hour:g}: with --churn-seed {seed} its {count} notices fall "
+                             f"too close together for {len(slots)} trainers that are down about {down_s:g} s each time "
                              f"(--rejoin-delay {rejoin_delay_s:g} s); try another --churn-seed, a lower --churn or a "
                              "longer --duration")
         slot = rng.choice(sorted(s for s, free_s in free_at_s.items() if free_s <= at_s))
@@ -678,8 +689,8 @@ def trainer_seconds_lost(incarnations: list[dict]) -> float:
             continue
         first = next((e["time"] for e in incarnation["events"] if e["event"] == "contributing"), None)
         if first is None:
-            first = next((e["time"] for e in incarnation["events"] if e["event"] == "epoch" and e.get("samples", 0) > 0),
-                         end_s)
+            first = next((e["time"] for e in incarnation["events"]
+                          if e["event"] == "epoch" and e.get("samples", 0) > 0), end_s)
         lost_s += max(0.0, first - previous["ended_unix_s"])
     return lost_s
 
@@ -714,18 +725,63 @@ def measure_soak(incarnations: list[dict], topology: Topology, warmup_epochs: in
 
 # --- running and reporting -----------------------------------------------------------------------------
 
+def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
+    """The soak's own options, next to the setup options of ``geotrain bench`` (:func:`add_bench_arguments`)."""
+    soak = parser.add_argument_group("churn soak (docs/lab.md#churn-soak)")
+    soak.add_argument("--duration", type=float, required=True, metavar="SECONDS",
+                      help="train about this long (epochs estimated from it unless --epochs is given), with --churn "
+                           "during it")
+    soak.add_argument("--churn", type=float, default=0.0, metavar="RATE",
+                      help="preemption notices per trainer per emulated hour (lab seconds x --time-scale); with one "
+                           "SIGKILL and one coordinator restart when > 0 (default: %(default)s, the baseline)")
+    soak.add_argument("--churn-seed", type=int, default=1, help="seed of the churn schedule (default: %(default)s)")
+    soak.add_argument("--rejoin-delay", type=float, default=10.0, metavar="SECONDS",
+                      help="a preempted trainer's replacement starts this long after it left (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.churn_soak")
+    add_bench_arguments(parser)
+    parser.description = __doc__.split("\n\n")[0]
+    parser.epilog = "Run it from the repository root, as root (the lab's namespaces). See docs/lab.md#churn-soak."
+    add_soak_arguments(parser)
+    return parser
+
+
+def soak_plan(args: argparse.Namespace) -> BenchPlan:
+    """The bench's plan for the soak's setup, with the epochs ``--duration`` holds unless ``--epochs`` is given;
+    ChurnError (or BenchError) for a request that cannot run."""
+    plan = plan_benchmark(args)
+    check_churn_request(args.churn, args.duration, args.rejoin_delay, plan.time_scale, plan.peers)
+    if args.epochs is None:
+        plan = dataclasses.replace(plan, epochs=soak_epochs(plan, args.duration))
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One soak: its report printed, --json and --plot written. Exit code 0 when it passed, 1 when not, 2 for a
+    request that cannot run (one line on stderr)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run_soak(args, soak_plan(args))
+    except (LabError, TopologyError, BenchError, InputFileError) as error:
+        print(f"churn soak: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
 def run_soak(args: argparse.Namespace, plan: BenchPlan) -> int:
-    """`geotrain bench --duration`: the soak, its report, its JSON and plot."""
+    """The soak, its report, its JSON and plot."""
     slots = [f"peer-{n}-{name}" for n, name in enumerate(
         (r.name for r in plan.topology.regions for _ in range(r.peers)), start=1)]
     schedule = plan_churn(slots, args.churn, args.duration, args.rejoin_delay, plan.time_scale, args.churn_seed)
     network.require_lab_support("up")
     run_dir = prepare_run_dir(args.run_dir or Path("runs") / time.strftime(f"soak-{plan.setup}-%Y%m%d-%H%M%S"))
-    print(f"geotrain bench {plan.setup} soak: {plan.peers} trainers, {plan.epochs} epochs (about {args.duration:g} s); "
+    print(f"churn soak {plan.setup}: {plan.peers} trainers, {plan.epochs} epochs (about {args.duration:g} s); "
           f"churn {args.churn:g} notices per trainer per emulated hour (time scale {plan.time_scale}): "
-          f"{schedule.notices} notices, {'1 kill, 1 coordinator restart' if schedule.actions else 'no kill, no restart'}"
-          f"; rejoin delay {args.rejoin_delay:g} s; logs in {run_dir}", flush=True)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+          f"{schedule.notices} notices, "
+          f"{'1 kill, 1 coordinator restart' if schedule.actions else 'no kill, no restart'}; "
+          f"rejoin delay {args.rejoin_delay:g} s; logs in {run_dir}", flush=True)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     network.up(plan.topology, args.lab)
     swarm = SoakSwarm(plan, args.lab, run_dir)
     driver = ChurnDriver(swarm, schedule, log=lambda line: print(line, flush=True))
@@ -865,3 +921,7 @@ def plot_soaks(results: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks of geotrain: scripts with committed results; see docs/benchmarks.md."""
