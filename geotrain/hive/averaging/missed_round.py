@@ -4,14 +4,12 @@ Two cases, both read from the swarm's progress records while the round looks for
 
 - **Missed**: the others have stepped past the round's epoch. hivemind's matchmaking retries until the averaging
   timeout (180 s in the ``continent`` network profile, 600 s ``intercontinental``), or it joins the swarm's next
-  round and ends it an epoch behind. Seen in the lab at the end of a run: a trainer one epoch behind waited the
-  whole timeout in a round no one else was left to join. The optimizer then loads the swarm's state
+  round and ends it an epoch behind. The optimizer loads the swarm's state instead
   (:meth:`geotrain.hive.optim.optimizer.MeasuredOptimizer._should_load_state_from_peers`).
 - **Alone**: this peer's own record is there and no other trainer's is (the others left, said goodbye or
   expired). hivemind starts a round when its tracker counted others at the step, but its view is paused during
-  a round and seconds old before it. Seen in tests/integration/test_preemption.py: the last two trainers, one
-  preempted; the one that stayed waited 30 s (the whole averaging timeout) in each of its next two rounds. The
-  peer steps with its own gradients, as hivemind does when it sees no other peer.
+  a round and seconds old before it, so it would wait out the averaging timeout in each round after the
+  others left. The peer steps with its own gradients, as hivemind does when it sees no other peer.
 """
 
 from __future__ import annotations

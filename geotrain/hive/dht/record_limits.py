@@ -8,29 +8,21 @@ hivemind keeps every accepted subkey until it expires. :class:`RecordLimits` run
 DHT node next to the other validators and refuses, under this run's keys
 (:func:`limited_keys`: progress, trainers, metrics, final agreement, state donors):
 
-- a value larger than ``max_value_bytes`` (4 KiB). Measured on a loopback swarm: metric records
-  383-385 bytes, progress records 134, the others under 10. The largest metric record an honest peer
-  can make (16 IPv6 addresses, 40 destination regions with long names) is about 2.3 KB;
+- a value larger than ``max_value_bytes`` (4 KiB; the largest honest record is about 2.3 KB);
 - more than ``max_versions_per_s`` versions per second of one (key, subkey), with bursts of
-  ``version_burst``: a token bucket of 100/s and 300. Every version this node is asked to store takes a
-  token, an old or a repeated one too: hivemind keeps the records that readers cache on a node apart from
-  its storage, so a version older than the newest one that this node has seen can still be stored. When
-  such versions passed free, a reader's cached copy of a flood's 300th rewrite let all 500 rewrites
-  into the node's storage. Measured per DHT node (tiny CV preset, 2 cores):
-  metric records one per ``metrics.publish_interval_s`` (5 s by default), progress records (hivemind
-  writes one per optimizer step) 5.4/s on average and at most 15 in any second, state donor records at
-  most 23 in any second, trainer announcements once. A peer would need more than 100 optimizer steps
-  a second, sustained, to be refused; each record also costs its own DHT node an RSA signature
-  (1-3 ms), which caps an honest writer near that rate anyway;
-- more than ``max_subkeys_per_key`` (4096) subkeys alive under one key, or more than
-  ``max_key_bytes`` (1 MiB) in them: a reader gets a whole dictionary in one DHT response, which
-  hivemind's p2p daemon caps at 2 MiB, so a key flooded to its limit can still be read. A
-  subkey's bytes are counted as its value plus twice the subkey (the RSA signature that hivemind
-  appends is as long as the public key in the subkey). Honest metric records take about 1.2 KB each:
-  some 800 peers fit, far more than any volunteer swarm; new subkeys get 7/8 of the bytes, so the
-  records already there can still grow when a flood has filled the rest;
-- a record that would live longer than ``max_lifetime_s`` (1 hour; honest records live 10-120 s), so
-  the subkeys of a flood expire and make room again.
+  ``version_burst`` (a token bucket). Every version this node is asked to store takes a token, an old or
+  a repeated one too: hivemind keeps the records that readers cache on a node apart from its storage, so
+  a version older than the newest one this node has seen can still be stored;
+- more than ``max_subkeys_per_key`` subkeys alive under one key, or more than ``max_key_bytes`` in them,
+  so that a reader still gets a flooded key's whole dictionary in one DHT response (hivemind's p2p daemon
+  caps one at 2 MiB). A subkey's bytes are counted as its value plus twice the subkey (the RSA signature
+  that hivemind appends is as long as the public key in the subkey); new subkeys get 7/8 of the bytes, so
+  the records already there can still grow when a flood has filled the rest;
+- a record that would live longer than ``max_lifetime_s``, so the subkeys of a flood expire and make
+  room again.
+
+The bounds sit far above what honest peers write (docs/security.md, "DHT records", gives the measured sizes
+and rates).
 
 What this validator remembers is bounded as well: at most ``max_subkeys_per_key`` small entries for
 each of the few keys it knows, expired ones dropped when room is needed.

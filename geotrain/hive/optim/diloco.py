@@ -61,7 +61,7 @@ from hivemind.utils import get_dht_time
 from hivemind.optim.state_averager import (TrainingStateAverager, dump_optimizer_state, initialize_optimizer_state_,
                                            load_optimizer_state)
 
-from geotrain.hive.averaging.rounds import averaging_round_result
+from geotrain.hive.averaging.round_outcome import averaging_round_result
 from geotrain.hive.optim.progress import GuardedProgressTracker
 from geotrain.hive.guard.step import all_finite, total_norm
 from geotrain.hive.optim.optimizer import MeasuredOptimizer, RecordingStateAverager

@@ -60,12 +60,10 @@ def withdraw_from_rounds(optimizer) -> list[str]:
 
     A round of this peer that is still looking for a group is cancelled: otherwise the others may form
     their next group with it, and a peer that is then gone (its stop deadline passed, or its process ended)
-    makes that group wait the whole averaging timeout for its part. Seen in the churn soak: a trainer
-    whose notice came while it looked for a group (an epoch behind, its matchmaking retrying) was stopped
-    at its deadline 20 s later, just after it joined the others' next group; they waited 75 s and stepped
-    alone. A round whose group has formed but is waiting for this peer's trigger goes on at weight 0, so
-    its group completes without this peer's gradients (what hivemind's shutdown does, but at once rather
-    than when the training loop gets there); a running all-reduce is left to finish. A training loop
+    makes that group wait the whole averaging timeout for its part. A round whose group has formed but is
+    waiting for this peer's trigger goes on at weight 0, so its group completes without this peer's
+    gradients (what hivemind's shutdown does, but at once rather than when the training loop gets there); a
+    running all-reduce is left to finish. A training loop
     blocked on a cancelled round gets its failure and steps with its own gradients, then sees the stop. The
     state round hivemind runs in the background is left the same way, and so is any that a step begins after
     the request (:meth:`~geotrain.hive.optim.optimizer.RecordingStateAverager.leave_rounds`): hivemind's shutdown waits
@@ -97,8 +95,8 @@ def withdraw_from_rounds(optimizer) -> list[str]:
 def stop_offering_state(optimizer) -> None:
     """When a stop is requested: offer this peer's state to no new downloader (its donor record is withdrawn,
     and a download asked of it gets an empty answer, so the downloader asks the next donor at once); a
-    download under way goes on while the peer is still there. Seen in the churn soak: a trainer in Europe
-    began its download from a trainer that had had its notice 2 s before, and lost 5.5 s when that one left."""
+    download under way goes on while the peer is still there: a download begun from a leaving peer is cut
+    when it leaves, and starts over from another donor."""
     averager = getattr(optimizer, "state_averager", None)
     if averager is not None and averager.allow_state_sharing:
         averager.allow_state_sharing = False

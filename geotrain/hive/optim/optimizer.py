@@ -21,7 +21,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from geotrain.hive.averaging.local_gradients import LocalGradientsKeepingAverager
 from geotrain.hive.averaging.missed_round import ALONE, LEAVING, MISSED, dht_is_running, reason_to_give_up, watch_round
-from geotrain.hive.averaging.rounds import averaging_round_result, round_error
+from geotrain.hive.averaging.round_outcome import averaging_round_result, round_error
 from geotrain.hive.dht.keys import read_progress
 from geotrain.hive.averaging.handle_names import hivemind_handle_name
 from geotrain.hive.guard.report import GuardReport
@@ -68,14 +68,12 @@ class RecordingStateAverager(TrainingStateAverager):
         will not form (:func:`~geotrain.hive.averaging.missed_round.watch_round`): the others have stepped past its
         epoch, or no other trainer is left.
 
-        hivemind runs each step's optimizer update and state round one after the other in one thread, so the
-        next step's update waits for this round. Seen in tests/integration/test_preemption.py: a trainer that had
-        averaged its gradients with a leaving peer (which tags along at weight 0) stepped an epoch after the others;
-        its state round found no one, and its next step waited out the whole averaging timeout (30 s) behind it,
-        while the others' next gradient round waited for it. A peer whose progress record shows a later epoch has
-        ended its round of this one (its own next step waited for it), so the round is given up as soon as one
-        does. The control is made here when hivemind would make it, as it would (the round of the epoch the step
-        moved to), so that the watch holds it.
+        hivemind runs each step's optimizer update and state round one after the other in one thread, so the next
+        step's update waits for this round: a state round that finds no one holds this peer's next step for the
+        whole averaging timeout, and the others' next gradient round with it. A peer whose progress record shows a
+        later epoch has ended its round of this one (its own next step waited for it), so the round is given up as
+        soon as one does. The control is made here when hivemind would make it, as it would (the round of the epoch
+        the step moved to), so that the watch holds it.
         """
         if averaging_round and self.progress_run_id is not None and not self.delta_rule_averaging:
             if averaging_control is None or averaging_control.triggered or averaging_control.done():
@@ -287,17 +285,14 @@ class MeasuredOptimizer(hivemind.Optimizer):
     def _should_load_state_from_peers(self) -> bool:
         """hivemind's rule, and: a peer that missed the swarm's gradient round of its epoch loads the state.
 
-        hivemind checks a peer's epoch against the swarm's once per epoch, at its first step after a fresh look
-        at the swarm's progress; otherwise it tolerates one epoch behind, and a peer one behind begins a round
-        at once. That round cannot be the one it missed (the swarm's has ended, and rounds carry no epoch): it
-        joins the swarm's next round, ends it one epoch behind again, and stays there. Seen in the lab
-        (tests/lab/test_lab_state_transfer.py): a trainer that missed one group spent four epochs contributing
-        a micro-batch each, then waited the whole averaging timeout at the end in a round no one else joined.
-        Without delayed updates, a peer that took part in the swarm's round is still in it when the swarm's
-        epoch moves on, so one epoch behind at a step means the round was missed. With delayed updates the
-        others move their epoch on when they start the round, so one behind is also the normal way into a
-        round: hivemind's rule alone. A round given up by :func:`~geotrain.hive.averaging.missed_round.watch_round`
-        is a missed round too.
+        hivemind checks a peer's epoch against the swarm's once per epoch, at its first step after a fresh look at
+        the swarm's progress; otherwise it tolerates one epoch behind, and a peer one behind begins a round at once.
+        That round cannot be the one it missed (the swarm's has ended, and rounds carry no epoch): it joins the
+        swarm's next round, ends it one epoch behind again, and stays there, contributing a micro-batch an epoch.
+        Without delayed updates, a peer that took part in the swarm's round is still in it when the swarm's epoch
+        moves on, so one epoch behind at a step means the round was missed. With delayed updates the others move
+        their epoch on when they start the round, so one behind is also the normal way into a round: hivemind's rule
+        alone. A round given up by :func:`~geotrain.hive.averaging.missed_round.watch_round` is a missed round too.
         """
         if super()._should_load_state_from_peers():
             return True
@@ -330,15 +325,14 @@ class MeasuredOptimizer(hivemind.Optimizer):
     def _catch_up_with_the_swarm(self) -> None:
         """hivemind's catching up after a load, with the swarm's epoch read afresh (sync mode).
 
-        hivemind moves a peer whose loaded state is one epoch behind the swarm up to the swarm's epoch: it joins
-        the next round, and the state averaging round after it evens out the step its parameters missed. But
-        hivemind compares with its tracker's view from before the load (the tracker does not update while a
-        load runs), so a download that ends after the swarm's step left the peer one epoch behind; at its next
-        step it had missed the round and downloaded the state again. Seen in the churn soak: two of six rejoins
-        downloaded twice (docs/state-transfer.md). Here the swarm's progress records are read again once the
-        load is done. When the swarm's round of this peer's epoch is under way without it (the others' records
-        hold the whole batch and they are enough for a group), it waits for that step first, at most the
-        matchmaking time plus the averaging timeout, and then catches up: the round is lost to it either way,
+        hivemind moves a peer whose loaded state is one epoch behind the swarm up to the swarm's epoch: it joins the
+        next round, and the state averaging round after it evens out the step its parameters missed. But hivemind
+        compares with its tracker's view from before the load (the tracker does not update while a load runs), so a
+        download that ends after the swarm's step left the peer one epoch behind; at its next step it had missed the
+        round and downloaded the state again (docs/state-transfer.md). Here the swarm's progress records are read
+        again once the load is done. When the swarm's round of this peer's epoch is under way without it (the
+        others' records hold the whole batch and they are enough for a group), it waits for that step first, at most
+        the matchmaking time plus the averaging timeout, and then catches up: the round is lost to it either way,
         and a second download would cost more than the wait.
         """
         if self.auxiliary or not self.use_gradient_averaging or self.delay_grad_averaging:
@@ -386,9 +380,9 @@ class MeasuredOptimizer(hivemind.Optimizer):
         the swarm's new epoch costs the rest of its all-reduce, and this peer downloads the state the others
         step from next. Bounded by the matchmaking and averaging timeouts, and over as soon as the records that
         hold the swarm's samples expire (a swarm that left). A download that begins before the round and ends
-        after its group forms catches up afterwards (:meth:`_catch_up_with_the_swarm`). An earlier rule also
-        waited whenever the step was nearer than the matchmaking time: with a single other trainer no group
-        forms without this peer, and it stalled both in CI for 30 s, until the other gave up its round.
+        after its group forms catches up afterwards (:meth:`_catch_up_with_the_swarm`). It does not wait merely
+        because the step is near: with a single other trainer no group forms without this peer, and both would
+        stall until the other gave up its round.
         """
         tracker = self.tracker
         progress = tracker.global_progress

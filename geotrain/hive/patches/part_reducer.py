@@ -6,9 +6,7 @@ p2p layer cancels that handler, and cancelling a task that awaits a future cance
 part is lost for every sender, this peer's own reduction of it included, and the next ban of a missing sender
 raises ``InvalidStateError`` in hivemind's ban loop, so the remaining missing senders are never banned. The
 round then hangs until the all-reduce timeout (the averaging timeout: 600 s in the ``intercontinental``
-profile) with "Reducer: received 25.0% of input tensors". Seen in the lab's churn soak: a trainer killed just
-after its group had formed held another trainer in its round for the whole timeout (75 s at time scale 8),
-twice in one soak, and that trainer fell an epoch behind and downloaded the state again.
+profile) with "Reducer: received 25.0% of input tensors", and the survivors fall an epoch behind.
 
 :func:`install` makes each awaiter wait on a shield of the shared future: a cancelled handler stops waiting,
 the part goes on for the others, and hivemind's own ``cancel()`` of the future (when the reducer is finalized)

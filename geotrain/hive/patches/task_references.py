@@ -1,14 +1,12 @@
 """hivemind's averager keeps its running tasks alive until they end.
 
-An asyncio event loop holds its tasks by weak reference only. hivemind 1.1.12's averager process starts each
-request from the peer (a gradient round's ``_step``, a state download, ...) with ``asyncio.create_task`` and
-keeps no reference to the task; ``_step`` in turn waits on tasks and futures that only it refers to. When the
-garbage collector runs at the wrong moment, such a cycle is collected while it is still pending: the log says
-``Task was destroyed but it is pending!`` for ``DecentralizedAverager._step``, that round never ends, and
-the averager is wedged. Seen in CI (tests/integration/test_swarm_modes.py, delayed parameter updates): from
-then on neither trainer formed a group, the finalizer's state downloads stalled, and the run ended on two
-models. Python's documentation asks callers of ``create_task`` to keep a reference; :func:`install` gives the
-averager's event loop a task factory that does, until each task is done.
+An asyncio event loop holds its tasks by weak reference only. hivemind 1.1.12's averager process starts each request
+from the peer (a gradient round's ``_step``, a state download, ...) with ``asyncio.create_task`` and keeps no
+reference to the task; ``_step`` in turn waits on tasks and futures that only it refers to. When the garbage
+collector runs at the wrong moment, such a cycle is collected while it is still pending: the log says ``Task was
+destroyed but it is pending!`` for ``DecentralizedAverager._step``, that round never ends, and the averager is
+wedged (no group forms, state downloads stall). Python's documentation asks callers of ``create_task`` to keep a
+reference; :func:`install` gives the averager's event loop a task factory that does, until each task is done.
 """
 
 from __future__ import annotations
