@@ -50,7 +50,7 @@ from geotrain.config import NETWORK_PROFILES  # noqa: E402  (the one place the p
 NETWORK_PROFILE = "loopback"
 MATCHMAKING_TIME_S = NETWORK_PROFILES[NETWORK_PROFILE]["matchmaking_time_s"]
 BYTES_PER_PARAMETER_STATE = 4 * 3  # fp32 parameters + AdamW's exp_avg and exp_avg_sq (geotrain's default: adamw)
-STOP_GRACE_S = 25.0  # a trainer's own stop deadline is 20 s (geotrain.lifecycle.STOP_DEADLINE_S)
+STOP_GRACE_S = 25.0  # a trainer's own stop deadline is 20 s (geotrain.stopping.stopper.STOP_DEADLINE_S)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -27,15 +27,15 @@ from geotrain.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_SWARM_UNREACHABLE, EX
                              OperatorError, StopRequested, SwarmUnreachableError, UserError)
 from geotrain.hive.dht.admission_files import check_admission_files
 from geotrain.lab.command import add_lab_commands
-from geotrain.lifecycle import Stopper
+from geotrain.stopping.stopper import Stopper
 from geotrain.local import LocalSwarm
 from geotrain.planner.command import add_plan_arguments, add_profile_arguments, run_plan, run_profile
-from geotrain.processes import kill_descendants
+from geotrain.stopping.processes import kill_descendants
 from geotrain.telemetry.prometheus_server import PrometheusNotInstalled
 
 # Commands that train or join a swarm import torch and hivemind when they run (see run_peer and friends),
 # so that `geotrain plan`, `geotrain lab up` and `geotrain local` start instantly and need neither.
-# A trainer that left because of a preemption notice exits with geotrain.preemption.EXIT_PREEMPTED (75).
+# A trainer that left because of a preemption notice exits with geotrain.stopping.notices.EXIT_PREEMPTED (75).
 
 # flag -> (config key, argparse options). Every flag is optional and only overrides when given.
 SWARM_FLAGS = {

@@ -473,7 +473,7 @@ class CostConfig(_Strict):
 
 
 class PreemptionConfig(_Strict):
-    """Where spot preemption notices come from (see geotrain/preemption.py)."""
+    """Where spot preemption notices come from (see geotrain/stopping/notices.py)."""
 
     source: Literal["auto", "aws", "gcp", "azure", "signal", "none"] = "auto"
     poll_interval_s: float = Field(5.0, gt=0, description="How often to ask AWS/Azure for notices (AWS: ~5 s).")

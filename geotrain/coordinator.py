@@ -37,7 +37,7 @@ from geotrain.hive.dht.keys import swarm_epoch_and_trainers
 from geotrain.hive.dht.metric_records import read_records
 from geotrain.hive.optim.factory import build_hivemind_optimizer
 from geotrain.hive.state.snapshot import capture_state, restore_state
-from geotrain.lifecycle import Stopper
+from geotrain.stopping.stopper import Stopper
 from geotrain.tasks import build_task
 from geotrain.telemetry.metrics import SwarmMetrics
 from geotrain.telemetry.reporter import MetricsReporter, PeerProgress

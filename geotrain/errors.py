@@ -5,7 +5,7 @@
 - :class:`SwarmUnreachableError` (exit 3): no peer of the swarm answered; worth retrying later.
 - :class:`StopRequested` (exit 0, or the stop request's own code such as 75): a stop (SIGINT, SIGTERM, a
   preemption notice) came while the command was still joining the swarm; it leaves at once.
-- 75: a trainer left after a preemption notice (:data:`geotrain.preemption.EXIT_PREEMPTED`).
+- 75: a trainer left after a preemption notice (:data:`geotrain.stopping.notices.EXIT_PREEMPTED`).
 - 143: a stop did not finish within its deadline and the watchdog ended the process.
 - 1: :class:`OperatorError` (something outside the command failed, e.g. a bucket that cannot be read;
   the message says what to check, and a restart may help) or anything unexpected (a bug: the log has the

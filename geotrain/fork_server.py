@@ -41,7 +41,7 @@ import time
 import warnings
 from pathlib import Path
 
-from geotrain.lifecycle import die_with_parent
+from geotrain.stopping.stopper import die_with_parent
 
 # What every geotrain peer and coordinator imports before it starts; imported by the server once.
 PRELOADED_MODULES = ("geotrain.cli", "geotrain.trainer", "geotrain.coordinator")

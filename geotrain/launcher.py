@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from geotrain.fork_server import ForkedProcess, ForkServer, ForkServerError
-from geotrain.lifecycle import die_with_parent
+from geotrain.stopping.stopper import die_with_parent
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ spent computing (forward and backward) and the time spent communicating (inside 
 matchmaking, all-reduce, waiting for peers, loading state); their ratio is the *granularity*.
 
 On a spot VM the trainer watches the cloud's metadata service for preemption notices
-(:mod:`geotrain.preemption`): on a notice it stops starting micro-steps, leaves the swarm (hivemind
+(:mod:`geotrain.stopping.notices`): on a notice it stops starting micro-steps, leaves the swarm (hivemind
 tells the others it is gone, so they stop counting on its samples) and exits well before the VM goes.
 
 Exit codes: 0 when ``--max-epochs`` was reached or a stop was requested (SIGINT/SIGTERM);
@@ -46,8 +46,8 @@ from geotrain.hive.guard.report import GuardReport
 from geotrain.hive.optim.factory import build_hivemind_optimizer
 from geotrain.hive.state.snapshot import current_learning_rate, parameters_sha256
 from geotrain.initial_peers_file import wait_for_initial_peers
-from geotrain.lifecycle import Stopper
-from geotrain.preemption import EXIT_PREEMPTED, start_watcher
+from geotrain.stopping.stopper import Stopper
+from geotrain.stopping.notices import EXIT_PREEMPTED, start_watcher
 from geotrain.tasks import build_task
 from geotrain.telemetry.metrics import PeerMetrics
 from geotrain.telemetry.reporter import MetricsReporter, PeerProgress

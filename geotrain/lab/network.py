@@ -35,7 +35,7 @@ from pathlib import Path
 
 from geotrain.lab.nat import GATEWAY_HOST
 from geotrain.lab.topology import Topology, parse_topology
-from geotrain.processes import is_alive, terminate_tree
+from geotrain.stopping.processes import is_alive, terminate_tree
 
 DEFAULT_LAB = "gtlab"
 LAB_NAME = re.compile(r"^gtlab[a-z0-9]{0,7}$")

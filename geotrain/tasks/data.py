@@ -66,7 +66,7 @@ from braceexpand import UnbalancedBracesError, braceexpand  # webdataset's own b
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from geotrain.errors import UserError
-from geotrain.lifecycle import die_with_parent
+from geotrain.stopping.stopper import die_with_parent
 
 Batch = dict[str, torch.Tensor]  # what a task's loss takes: named tensors, one row per sample
 

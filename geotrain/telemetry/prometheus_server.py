@@ -34,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from geotrain.errors import UserError
-from geotrain.lifecycle import die_with_parent
+from geotrain.stopping.stopper import die_with_parent
 from geotrain.ports import free_ports
 
 MONITORING_DIR = Path(__file__).resolve().parents[2] / "monitoring"

@@ -22,7 +22,7 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 
-from geotrain.processes import descendants
+from geotrain.stopping.processes import descendants
 
 logger = logging.getLogger(__name__)
 

@@ -533,8 +533,8 @@ def read_unit() -> configparser.ConfigParser:
 
 def test_systemd_unit_restarts_stops_gently_and_runs_as_its_own_user():
     from geotrain.cli import EXIT_BAD_INPUT, EXIT_SWARM_UNREACHABLE, EXIT_UNEXPECTED
-    from geotrain.lifecycle import STOP_DEADLINE_S
-    from geotrain.preemption import EXIT_PREEMPTED
+    from geotrain.stopping.stopper import STOP_DEADLINE_S
+    from geotrain.stopping.notices import EXIT_PREEMPTED
 
     service = read_unit()["Service"]
     assert service["Restart"] == "on-failure"

@@ -89,7 +89,7 @@ def test_trainer_task_refuses_to_launch_without_the_coordinators_address(parsed)
 
 
 def test_trainer_task_runs_on_spot_vms_of_any_cloud_and_recovers(parsed):
-    from geotrain.preemption import EXIT_PREEMPTED
+    from geotrain.stopping.notices import EXIT_PREEMPTED
 
     task = parsed["peers/skypilot/trainer.yaml"]
     assert task["envs"]["GEOTRAIN_INITIAL_PEERS"] == COORDINATOR
@@ -176,7 +176,7 @@ def test_trainer_task_starts_one_trainer_per_gpu_it_got(parsed, tmp_path, gpus):
 
 
 def test_a_preempted_trainer_ends_the_job_with_75_so_skypilot_relaunches_it(parsed, tmp_path):
-    from geotrain.preemption import EXIT_PREEMPTED
+    from geotrain.stopping.notices import EXIT_PREEMPTED
 
     record = tmp_path / "calls.jsonl"
     fake_geotrain(tmp_path / "home/geotrain-venv/bin/geotrain", record)

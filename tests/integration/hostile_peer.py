@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
     from geotrain.hive.dht.keys import announce_trainer, announced_trainers, read_progress
     from geotrain.hive.optim.leave import leave_swarm
     from geotrain.hive.optim.factory import build_hivemind_optimizer
-    from geotrain.lifecycle import Stopper
+    from geotrain.stopping.stopper import Stopper
     from geotrain.tasks import build_task
 
     stopper = Stopper().install_signal_handlers()
@@ -159,7 +159,7 @@ def main(argv: list[str]) -> int:
     finally:
         events.close()
         loader.close()
-        from geotrain.processes import kill_descendants
+        from geotrain.stopping.processes import kill_descendants
 
         kill_descendants(grace_s=2.0)  # p2pd and hivemind's forks must not outlive this peer
     return 0

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from geotrain.events import read_events
 from geotrain.fork_server import ForkedProcess, ForkServer
-from geotrain.processes import is_alive as alive
+from geotrain.stopping.processes import is_alive as alive
 from stopping import stop_processes
 from waiting import wait_for
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from geotrain.lifecycle import die_with_parent
+from geotrain.stopping.stopper import die_with_parent
 from geotrain.telemetry.prometheus_server import (MONITORING_DIR, PrometheusError, api_get, console_expressions,
                                         dashboard_expressions, query, rule_expressions)
 from swarm_helpers import FAST_SWARM, IDLE_SWARM, geotrain, processes_mentioning, wait_for

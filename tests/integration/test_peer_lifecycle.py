@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from geotrain.events import read_events
-from geotrain.processes import descendants
+from geotrain.stopping.processes import descendants
 from swarm_helpers import IDLE_SWARM, Swarm, alive, last_epoch, processes_mentioning, wait_for
 
 STOP_BUDGET_S = 30.0
@@ -90,7 +90,7 @@ def stop_and_check(swarm, process, name: str, signum: int) -> None:
     assert stop_s <= STOP_BUDGET_S, f"{name} took {stop_s:.1f} s to stop"
     assert process.returncode == 0, swarm.log(name)[-2000:]
     # torch's shared memory manager exits by itself once the peer's processes are gone, removing what they
-    # shared in /dev/shm as it does (geotrain.processes.kill_descendants leaves it running for that)
+    # shared in /dev/shm as it does (geotrain.stopping.processes.kill_descendants leaves it running for that)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(alive(pid) for pid in children):
         time.sleep(0.1)

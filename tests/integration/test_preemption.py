@@ -9,7 +9,7 @@ import pytest
 
 from geotrain.config import PreemptionConfig
 from geotrain.events import read_events
-from geotrain.preemption import EXIT_PREEMPTED, detect_cloud, start_watcher
+from geotrain.stopping.notices import EXIT_PREEMPTED, detect_cloud, start_watcher
 from cloud_metadata import CLOUDS, metadata_flags
 from swarm_helpers import IDLE_SWARM, last_epoch, wait_for
 

@@ -22,7 +22,7 @@ GEOTRAIN = Path(geotrain.__file__).parent
 HIVEMIND = Path(importlib.util.find_spec("hivemind").origin).parent
 # private names of geotrain's own that hivemind happens to use too (nothing of hivemind's behind them)
 GEOTRAIN_OWN = {
-    "_lock": "the threading locks of geotrain.fork_server.ForkServer and geotrain.lifecycle.Stopper",
+    "_lock": "the threading locks of geotrain.fork_server.ForkServer and geotrain.stopping.stopper.Stopper",
     "_run": "methods of geotrain's lab command, local swarm and preemption watcher",
     "_store": "geotrain.hive.state.finalize's helper that stores a finalization record",
 }

@@ -231,7 +231,7 @@ def test_ctrl_c_while_joining_stops_at_once_with_exit_0(tmp_path, to):
 SIGNAL_STORM = """
 import os, signal, subprocess, sys, time
 import hivemind  # (switches torch to the file_system sharing strategy, as in a peer)
-from geotrain.processes import start_shared_memory_manager
+from geotrain.stopping.processes import start_shared_memory_manager
 signal.signal(signal.SIGINT, lambda *_: None)  # a Python handler, as a peer's Stopper installs
 storm = subprocess.Popen(["bash", "-c", f"while kill -INT {os.getpid()} 2>/dev/null; do sleep 0.0002; done"])
 time.sleep(0.3)

@@ -1,5 +1,5 @@
 """A stop request leaves the averaging rounds that have not begun at once (geotrain.hive.optim.leave,
-geotrain.lifecycle).
+geotrain.stopping.stopper).
 
 The rounds are hivemind's own StepControl objects, in the stages an averager puts them through; the optimizer
 that holds them is a plain namespace (what withdraw_from_rounds reads of hivemind's Optimizer: its two
@@ -17,7 +17,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from geotrain.hive.optim.leave import withdraw_from_rounds
-from geotrain.lifecycle import Stopper
+from geotrain.stopping.stopper import Stopper
 
 NO_WATCHDOG_S = 3600.0  # the stop's deadline: far beyond the test, so its watchdog never fires
 

@@ -1,4 +1,4 @@
-"""A peer that stops its children (geotrain.processes.kill_descendants) leaves no shared memory in /dev/shm.
+"""A peer that stops its children (geotrain.stopping.processes.kill_descendants) leaves no shared memory in /dev/shm.
 
 hivemind shares tensors with its averager processes through files in /dev/shm (torch's file_system strategy);
 torch's ``torch_shm_manager``, a child of the process, removes them once every process that used them is gone.
@@ -16,13 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from geotrain.processes import descendants, is_alive, is_shared_memory_manager, terminate_tree
+from geotrain.stopping.processes import descendants, is_alive, is_shared_memory_manager, terminate_tree
 
 PEER = """
 import multiprocessing, time
 import torch
 import hivemind  # (sets torch's file_system sharing strategy, as in every peer)
-from geotrain.processes import kill_descendants
+from geotrain.stopping.processes import kill_descendants
 
 shared = torch.zeros(4096).share_memory_()
 child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.2,))
@@ -82,7 +82,7 @@ PEER_WITH_A_TENSOR_IN_FLIGHT = """
 import multiprocessing, sys, time
 import torch
 import hivemind  # (sets torch's file_system sharing strategy, as in every peer)
-from geotrain.processes import kill_descendants
+from geotrain.stopping.processes import kill_descendants
 
 kept = torch.zeros(4096).share_memory_()  # this process's own, mapped until it exits
 manager_handle = kept.untyped_storage()._share_filename_cpu_()[0].decode()

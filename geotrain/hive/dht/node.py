@@ -25,7 +25,7 @@ from geotrain.errors import StopRequested, SwarmUnreachableError, UserError
 from geotrain.hive.hivemind_contract import check_hivemind_version
 from geotrain.hive.dht.identity import check_identity_file
 from geotrain.ports import ensure_port_free
-from geotrain.processes import start_shared_memory_manager
+from geotrain.stopping.processes import start_shared_memory_manager
 from geotrain.hive.dht.admission import (Admission, MembershipAnnouncer, SwarmTokenAuthorizer, load_allowed_peer_ids,
                                          load_swarm_token)
 from geotrain.hive.dht.metric_records import MetricsSchema
@@ -233,7 +233,7 @@ def _stop_dht(dht, at_once: bool = False) -> None:
 
     ``at_once`` (a stop request while joining): terminate it now, without the grace period it would spend in
     vain (a node still joining reads no requests); its process then stops its p2pd and exits (see
-    geotrain.lifecycle). Not after it has reported its outcome: a process terminated while it still holds
+    geotrain.stopping.stopper). Not after it has reported its outcome: a process terminated while it still holds
     hivemind's lock shared by all of this peer's processes (MPFuture's, taken to report) keeps it held, and the
     next DHT node started here would wait for it forever.
     """

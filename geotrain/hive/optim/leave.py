@@ -10,7 +10,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from geotrain.hive.dht.keys import progress_key
-from geotrain.lifecycle import Stopper
+from geotrain.stopping.stopper import Stopper
 
 logger = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ def _request(url: str, method: str = "GET", headers: dict | None = None, data: b
 
 class NoticeWatcher:
     """Watches one source in a daemon thread and calls ``on_notice`` once. The base class watches nothing:
-    signals are handled by :mod:`geotrain.lifecycle` for every source."""
+    signals are handled by :mod:`geotrain.stopping.stopper` for every source."""
 
     cloud = "signal"
     long_poll = False  # a long-polling check waits by itself; others are polled every poll_interval_s

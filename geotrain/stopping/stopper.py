@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 
-from geotrain.processes import kill_descendants, remember_descendants
+from geotrain.stopping.processes import kill_descendants, remember_descendants
 
 logger = logging.getLogger(__name__)
 
