@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from geotrain.errors import ConfigError
-from geotrain.multiaddrs import multiaddr_problem, peer_id_problem
+from geotrain.hive.dht.multiaddrs import multiaddr_problem, peer_id_problem
 from geotrain.tasks.presets import PRESET_NAMES
 from geotrain.text_files import load_yaml, read_user_text
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from geotrain.config import NETWORK_PROFILES, GeotrainConfig
 from geotrain.errors import EXIT_OK, EXIT_SWARM_UNREACHABLE, SwarmUnreachableError
-from geotrain.multiaddrs import split_peer_address
+from geotrain.hive.dht.multiaddrs import split_peer_address
 
 TCP_TIMEOUT_S = 3.0
 CHECK_TIMEOUT_S = 5.0

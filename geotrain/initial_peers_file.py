@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from geotrain.multiaddrs import multiaddr_problem
+from geotrain.hive.dht.multiaddrs import multiaddr_problem
 from geotrain.errors import StopRequested, SwarmUnreachableError, UserError
 from geotrain.text_files import read_user_text
 

@@ -18,7 +18,7 @@ from geotrain.doctor import (AddressCheck, Findings, InitialPeerCheck, exit_code
                              suggested_profile, tcp_probe)
 from geotrain.hive.dht.reachability import (HANDLER_NAME, MAX_PORTS, ask_reachability, clock_offset_s,
                                             requested_ports, serve_reachability_checks)
-from geotrain.multiaddrs import split_peer_address
+from geotrain.hive.dht.multiaddrs import split_peer_address
 from geotrain.ports import free_ports
 
 COORDINATOR = "QmSeeUsCoordinatorPeerIdForTheVerdictTestsOnly1"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from geotrain.config import SwarmConfig
-from geotrain.multiaddrs import peer_id_problem
+from geotrain.hive.dht.multiaddrs import peer_id_problem
 from geotrain.errors import UserError
 from geotrain.text_files import read_user_text
 

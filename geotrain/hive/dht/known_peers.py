@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from geotrain.multiaddrs import multiaddr_problem
+from geotrain.hive.dht.multiaddrs import multiaddr_problem
 
 logger = logging.getLogger(__name__)
 
