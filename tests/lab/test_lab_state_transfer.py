@@ -1,7 +1,7 @@
 """State transfers across an emulated slow link go to the nearest donor (needs root).
 
 Region ``west`` holds the coordinator and one trainer, region ``east`` one trainer from the start and one
-that joins late, region ``south`` one trainer; the regions are 60-100 ms apart at 10-20 Mbit/s. hivemind alone would have the late joiner
+that joins late (its process starts with the others and joins once given the coordinator's address), region ``south`` one trainer; the regions are 60-100 ms apart at 10-20 Mbit/s. hivemind alone would have the late joiner
 download from the coordinator (it announces the highest priority) across the link; geotrain's donor
 choice (geotrain/hive/state/donors.py) takes it from the trainer in its own region. At the end of the run the
 trainers agree on one final state, which crosses the link into a region at most once (a tree, not a star:
@@ -30,7 +30,8 @@ links:
 ADDRESSES = {"west": "10.77.1.2", "east": "10.77.2.2", "south": "10.77.3.2"}
 TRAINING = ["--task", "emulated", "--preset", "tiny", "--target-batch-size", "2048", "--batch-size", "32",
             "--network-profile", "continent", "--run-id", "lab-transfer", "--lr", "0.1",
-            "--set", "optimizer.group_size=4"]  # all four trainers: once the late one is in, rounds end when full
+            "--set", "optimizer.group_size=4",  # all four trainers: once the late one is in, rounds end when full
+            "--set", "optimizer.matchmaking_time_s=5"]  # before it is in, three wait this long for a fourth
 
 
 def _events(path, name: str) -> list[dict]:
@@ -47,22 +48,25 @@ def test_a_late_joiner_and_the_final_state_come_from_the_nearest_donor(make_lab,
         trainers = {"west": "west", "east": "east", "south": "south", "late": "east"}
         events = {name: tmp_path / f"{name}.jsonl" for name in trainers}
 
-        def start(name: str, wait_for_peers: int) -> None:
+        def start(name: str, wait_for_peers: int, *joining: str) -> None:
             region = trainers[name]
             arguments = ["peer", "--host", ADDRESSES[region], "--port", "0", "--events", str(events[name]),
                          "--region", region, "--set", "metrics.publish_interval_s=1", "--preemption", "none",
                          "--data-seed", str(len(processes)), "--threads", "1", "--wait-for-peers",
-                         str(wait_for_peers), "--max-epochs", str(EPOCHS), *TRAINING]
-            for address in initial_peers:
-                arguments += ["--initial-peers", address]
+                         str(wait_for_peers), "--max-epochs", str(EPOCHS), *TRAINING, *joining]
             processes.append(spawn_geotrain(lab.name, region, tmp_path / f"{name}.log", *arguments))
 
-        start("west", 3)
-        start("east", 3)
-        start("south", 3)
+        joining_now = [argument for address in initial_peers for argument in ("--initial-peers", address)]
+        # the late joiner starts now (imports, its model) and joins once its initial peers file appears
+        late_peers = tmp_path / "late_initial_peers.txt"
+        start("late", 1, "--initial-peers-file", str(late_peers), "--bootstrap-timeout", "150")
+        for name in ("west", "east", "south"):
+            start(name, 3, *joining_now)
         wait_for(lambda: any(e["epoch"] >= JOIN_AT_EPOCH for e in _events(events["east"], "epoch")), 150,
                   f"epoch {JOIN_AT_EPOCH}")
-        start("late", 1)
+        partial = late_peers.with_name(late_peers.name + ".partial")
+        partial.write_text("\n".join(initial_peers) + "\n")
+        partial.rename(late_peers)  # whole or not at all
         for process in processes[1:]:
             process.wait(timeout=240)
         logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace")[-3000:] for name in trainers}
