@@ -134,10 +134,15 @@ def test_tiny_presets_are_small():
     assert _task("asr").parameter_count() < 500_000
 
 
-def _modules_loaded_after(code: str) -> set[str]:
-    script = f"import sys\n{code}\nprint(' '.join(sys.modules))"
+def _modules_loaded_after_each(*steps: str) -> list[set[str]]:
+    """The top-level modules loaded after each step of code, run one after the other in one fresh Python."""
+    script = "import sys\n" + "".join(f"{code}\nprint(' '.join(sys.modules))\n" for code in steps)
     output = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    return {name.split(".")[0] for name in output.split()}
+    return [{name.split(".")[0] for name in line.split()} for line in output.splitlines()[-len(steps):]]
+
+
+def _modules_loaded_after(code: str) -> set[str]:
+    return _modules_loaded_after_each(code)[0]
 
 
 def test_importing_the_package_or_the_config_loads_no_heavy_library():
@@ -161,10 +166,12 @@ def test_a_cv_run_never_loads_transformers_or_torchaudio():
 
 def test_a_peer_of_another_task_loads_timm_only_for_its_lamb_optimizer():
     # timm brings torchvision and torch's compiler: about 2 s of every (re)joining peer's start
-    loaded = _modules_loaded_after("import geotrain.trainer, geotrain.coordinator")
-    assert "torch" in loaded and "hivemind" in loaded
-    assert not loaded & {"timm", "torchvision", "transformers", "torchaudio"}
-    loaded = _modules_loaded_after("from geotrain.hive.optim.factory import optimizer_class_of\n"
-                                   "assert optimizer_class_of('lamb').__module__.startswith('timm.')\n"
-                                   "assert optimizer_class_of('adamw').__name__ == 'AdamW'")
-    assert "timm" in loaded
+    peer, with_lamb = _modules_loaded_after_each(
+        "import geotrain.trainer, geotrain.coordinator",
+        "from geotrain.hive.optim.factory import optimizer_class_of\n"
+        "assert optimizer_class_of('adamw').__name__ == 'AdamW'\n"
+        "assert 'timm' not in sys.modules\n"
+        "assert optimizer_class_of('lamb').__module__.startswith('timm.')")
+    assert "torch" in peer and "hivemind" in peer
+    assert not peer & {"timm", "torchvision", "transformers", "torchaudio"}
+    assert "timm" in with_lamb
