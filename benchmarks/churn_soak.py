@@ -741,7 +741,7 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.churn_soak")
-    add_bench_arguments(parser)
+    add_bench_arguments(parser, run_name="soak")
     parser.description = __doc__.split("\n\n")[0]
     parser.epilog = "Run it from the repository root, as root (the lab's namespaces). See docs/lab.md#churn-soak."
     add_soak_arguments(parser)

@@ -68,7 +68,8 @@ class BenchError(ValueError):
     """A benchmark request that cannot run; the message says what to change."""
 
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+def add_bench_arguments(parser: argparse.ArgumentParser, run_name: str = "bench") -> None:
+    """The options of a lab swarm's setup; ``run_name`` names the default run folder (runs/RUN_NAME-SETUP-TIME)."""
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--setup", required=True,
                         help=f"TOPOLOGY-PEERS, e.g. A-4, B-4, C-4 (shipped topologies: "
@@ -103,7 +104,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="diloco: the trainers wait for every outer round (default: rounds run in the "
                              "background, optimizer.diloco.overlap_rounds)")
     parser.add_argument("--lab", default=BENCH_LAB, help="lab name for the run (default: %(default)s)")
-    parser.add_argument("--run-dir", type=Path, help="logs and events (default: runs/bench-SETUP-TIME)")
+    parser.add_argument("--run-dir", type=Path, help=f"logs and events (default: runs/{run_name}-SETUP-TIME)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="draw the results as a PNG")
     parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
